@@ -1,0 +1,23 @@
+"""Admin for credits: accounts and the append-only ledger (read-only)."""
+
+from django.contrib import admin
+
+from billing.models import CreditAccount, LedgerEntry
+from core.admin import ReadOnlyAdmin
+
+
+@admin.register(CreditAccount)
+class CreditAccountAdmin(ReadOnlyAdmin):
+    list_display = ("organization", "balance", "reserved", "available", "updated_at")
+    list_select_related = ("organization",)
+    search_fields = ("organization__name",)
+
+
+@admin.register(LedgerEntry)
+class LedgerEntryAdmin(ReadOnlyAdmin):
+    list_display = ("id", "created_at", "organization", "run_id", "attempt_number", "kind", "source", "amount",
+                    "balance_after", "reserved_after", "actor_label", "idempotency_key")
+    list_filter = ("kind", "source", ("created_at", admin.DateFieldListFilter))
+    list_select_related = ("organization",)
+    search_fields = ("=run__id", "idempotency_key", "organization__name", "reason")
+    show_full_result_count = False

@@ -1,0 +1,53 @@
+"""Reads of credits: balances and ledger sums."""
+
+from __future__ import annotations
+
+from django.db.models import Case, F, Sum, When, Value, BigIntegerField, Q
+
+from billing.models import CreditAccount, LedgerEntry
+
+
+def account_balance(*, organization_id: int) -> dict:
+    account = CreditAccount.objects.filter(organization_id=organization_id).first()
+    if account is None:
+        return {"organization": organization_id, "balance": 0, "reserved": 0, "available": 0}
+    return {"organization": organization_id, "balance": account.balance, "reserved": account.reserved,
+            "available": account.available}
+
+
+def ledger_totals(*, run_id: int, attempt_number: int | None = None) -> dict[str, int]:
+    """Reserved, charged (net of charge refunds) and refunded credits of a run or one attempt."""
+    queryset = LedgerEntry.objects.filter(run_id=run_id)
+    if attempt_number is not None:
+        queryset = queryset.filter(attempt_number=attempt_number)
+    sums = queryset.aggregate(
+        reserved=Sum("amount", filter=Q(kind=LedgerEntry.Kind.RESERVE)),
+        charged=Sum("amount", filter=Q(kind=LedgerEntry.Kind.CHARGE)),
+        refunded=Sum("amount", filter=Q(kind=LedgerEntry.Kind.REFUND)),
+        charge_refunds=Sum("amount", filter=Q(kind=LedgerEntry.Kind.REFUND, source=LedgerEntry.Source.CHARGE)),
+    )
+    reserved = sums["reserved"] or 0
+    charged = (sums["charged"] or 0) - (sums["charge_refunds"] or 0)
+    return {"reserved": reserved, "charged": charged, "refunded": sums["refunded"] or 0}
+
+
+def ledger_account_sums(*, organization_id: int) -> dict[str, int]:
+    """Balance and reserved amount implied by an organization's ledger entries."""
+    signed_balance = Case(
+        When(kind=LedgerEntry.Kind.TOPUP, then=F("amount")),
+        When(kind=LedgerEntry.Kind.CHARGE, then=-F("amount")),
+        When(kind=LedgerEntry.Kind.REFUND, source=LedgerEntry.Source.CHARGE, then=F("amount")),
+        default=Value(0),
+        output_field=BigIntegerField(),
+    )
+    signed_reserved = Case(
+        When(kind=LedgerEntry.Kind.RESERVE, then=F("amount")),
+        When(kind=LedgerEntry.Kind.CHARGE, then=-F("amount")),
+        When(kind=LedgerEntry.Kind.REFUND, source=LedgerEntry.Source.RESERVATION, then=-F("amount")),
+        default=Value(0),
+        output_field=BigIntegerField(),
+    )
+    sums = LedgerEntry.objects.filter(organization_id=organization_id).aggregate(
+        balance=Sum(signed_balance), reserved=Sum(signed_reserved)
+    )
+    return {"balance": sums["balance"] or 0, "reserved": sums["reserved"] or 0}

@@ -1,0 +1,79 @@
+"""Admin for tenancy, events and audit (read-only: these change only through services)."""
+
+from django.contrib import admin
+
+from core.models import AuditRecord, Event, Membership, Organization, Project
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Lists and shows rows; adding, changing and deleting go through services only."""
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class ReadOnlyInline(admin.TabularInline):
+    extra = 0
+    can_delete = False
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False
+
+
+class MembershipInline(ReadOnlyInline):
+    model = Membership
+    fields = ("user", "role", "created_at")
+    readonly_fields = fields
+
+
+@admin.register(Organization)
+class OrganizationAdmin(ReadOnlyAdmin):
+    list_display = ("id", "name", "created_at")
+    search_fields = ("name",)
+    inlines = [MembershipInline]
+
+
+@admin.register(Project)
+class ProjectAdmin(ReadOnlyAdmin):
+    list_display = ("id", "name", "organization", "created_at")
+    list_filter = ("organization",)
+    list_select_related = ("organization",)
+    search_fields = ("name", "organization__name")
+
+
+@admin.register(Membership)
+class MembershipAdmin(ReadOnlyAdmin):
+    list_display = ("id", "user", "organization", "role", "created_at")
+    list_filter = ("role", "organization")
+    list_select_related = ("user", "organization")
+    search_fields = ("user__username", "organization__name")
+
+
+@admin.register(Event)
+class EventAdmin(ReadOnlyAdmin):
+    list_display = ("id", "type", "organization", "project", "run_id", "created_at")
+    list_filter = ("type", ("created_at", admin.DateFieldListFilter))
+    list_select_related = ("organization", "project")
+    search_fields = ("type", "=run_id")
+    show_full_result_count = False
+
+
+@admin.register(AuditRecord)
+class AuditRecordAdmin(ReadOnlyAdmin):
+    list_display = ("id", "created_at", "actor_label", "action", "target_type", "target_id", "reason")
+    list_filter = ("action", "target_type", ("created_at", admin.DateFieldListFilter))
+    search_fields = ("actor_label", "action", "=target_id", "reason")
+    show_full_result_count = False

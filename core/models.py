@@ -1,0 +1,112 @@
+"""Tenancy (organizations, projects, memberships), the event outbox and the audit trail.
+
+``jobs``, ``billing`` and ``runs`` all write events and audit records, so both live here,
+below every domain app.
+"""
+
+from django.conf import settings
+from django.db import models
+
+
+class Organization(models.Model):
+    """A tenant. Owns a credit account (billing) and projects; users are its members."""
+
+    name = models.CharField(max_length=200, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    members = models.ManyToManyField(
+        settings.AUTH_USER_MODEL, through="Membership", related_name="organizations"
+    )
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Membership(models.Model):
+    """A user's membership of an organization; API access and streams are limited to these."""
+
+    class Role(models.TextChoices):
+        OWNER = "owner", "Owner"
+        MEMBER = "member", "Member"
+
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "user"], name="membership_unique_user_per_org")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.organization} ({self.role})"
+
+
+class Project(models.Model):
+    """A project of an organization; runs and jobs belong to a project."""
+
+    organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="projects")
+    name = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["organization_id", "name"]
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "name"], name="project_unique_name_per_org")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.organization.name}/{self.name}"
+
+
+class Event(models.Model):
+    """An outbox row: one per state change, written in the transaction that made the change.
+
+    Ids increase monotonically; the live relay pushes committed rows in id order, and clients
+    reconcile with ``after=<id>``.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    type = models.CharField(max_length=64, db_index=True)
+    organization = models.ForeignKey(Organization, null=True, blank=True, on_delete=models.DO_NOTHING,
+                                     db_constraint=False, related_name="+")
+    project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.DO_NOTHING,
+                                db_constraint=False, related_name="+")
+    run_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    payload = models.JSONField(default=dict)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["organization", "id"], name="event_org_id_idx")]
+
+    def __str__(self) -> str:
+        return f"#{self.id} {self.type}"
+
+
+class AuditRecord(models.Model):
+    """Who did what to which object, when and why, with the state before and after."""
+
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    actor_label = models.CharField(max_length=150, help_text="username, or 'system' for the engine")
+    action = models.CharField(max_length=64, db_index=True)
+    target_type = models.CharField(max_length=64)
+    target_id = models.CharField(max_length=64)
+    organization = models.ForeignKey(Organization, null=True, blank=True, on_delete=models.DO_NOTHING,
+                                     db_constraint=False, related_name="+")
+    run_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    reason = models.TextField(blank=True)
+    before = models.JSONField(default=dict, blank=True)
+    after = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["target_type", "target_id"], name="audit_target_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.actor_label} {self.action} {self.target_type}:{self.target_id}"

@@ -1,0 +1,100 @@
+"""Writers shared by every app: event rows, audit rows, tenancy onboarding."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from django.db import transaction
+
+from core.errors import NotFound, ValidationFailed
+from core.models import AuditRecord, Event, Organization, Project
+
+logger = logging.getLogger("orchestrator.transitions")
+
+
+def event_record(
+    *,
+    type: str,
+    organization_id: int | None,
+    project_id: int | None = None,
+    run_id: int | None = None,
+    payload: dict[str, Any] | None = None,
+) -> Event:
+    """Write one outbox event in the caller's transaction (rolled back with it)."""
+    event = Event.objects.create(
+        type=type,
+        organization_id=organization_id,
+        project_id=project_id,
+        run_id=run_id,
+        payload=payload or {},
+    )
+    return event
+
+
+def transition_log(**fields: Any) -> None:
+    """One structured JSON line per state transition (entity, id, from, to, reason ...)."""
+    logger.info(json.dumps(fields, default=str, sort_keys=True))
+
+
+def actor_label(actor) -> str:
+    if actor is None:
+        return "system"
+    return getattr(actor, "get_username", lambda: str(actor))()
+
+
+def audit_record(
+    *,
+    actor,
+    action: str,
+    target_type: str,
+    target_id: Any,
+    reason: str = "",
+    before: dict | None = None,
+    after: dict | None = None,
+    organization_id: int | None = None,
+    run_id: int | None = None,
+) -> AuditRecord:
+    """Write one audit row (who, what, why, before → after) in the caller's transaction."""
+    return AuditRecord.objects.create(
+        actor=actor if getattr(actor, "pk", None) else None,
+        actor_label=actor_label(actor),
+        action=action,
+        target_type=target_type,
+        target_id=str(target_id),
+        organization_id=organization_id,
+        run_id=run_id,
+        reason=reason or "",
+        before=before or {},
+        after=after or {},
+    )
+
+
+def organization_get(*, ref: str | int) -> Organization:
+    """Find an organization by id or exact name, or raise ``NotFound``."""
+    queryset = Organization.objects.all()
+    organization = None
+    if isinstance(ref, int) or (isinstance(ref, str) and ref.isdigit()):
+        organization = queryset.filter(pk=int(ref)).first()
+    if organization is None:
+        organization = queryset.filter(name=str(ref)).first()
+    if organization is None:
+        raise NotFound(f"organization {ref!r} does not exist")
+    return organization
+
+
+@transaction.atomic
+def project_create(*, organization: Organization, name: str, actor=None) -> Project:
+    """Create a project in an organization (names unique per organization)."""
+    name = (name or "").strip()
+    if not name:
+        raise ValidationFailed("invalid project", errors={"name": ["must not be empty"]})
+    if Project.objects.filter(organization=organization, name=name).exists():
+        raise ValidationFailed("invalid project", errors={"name": [f"project {name!r} already exists"]})
+    project = Project.objects.create(organization=organization, name=name)
+    event_record(type="project_created", organization_id=organization.pk, project_id=project.pk,
+                 payload={"project": project.pk, "name": name})
+    audit_record(actor=actor, action="project_create", target_type="project", target_id=project.pk,
+                 organization_id=organization.pk, after={"name": name})
+    return project

@@ -1,0 +1,184 @@
+"""Settings for Orchestrator Console, read from the environment.
+
+With nothing set the project runs on SQLite (WAL journal, IMMEDIATE transactions and a busy
+timeout so concurrent writers wait instead of failing) with django-q2's ORM broker.
+``DATABASE_URL=postgres://...`` switches to PostgreSQL (psycopg 3, persistent connections with
+health checks); ``REDIS_URL`` switches the django-q2 broker to Redis.
+Every variable is documented in the README.
+"""
+
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default)
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as exc:  # fail loudly at start-up, never later
+        raise RuntimeError(f"environment variable {name} must be an integer, got {raw!r}") from exc
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    return raw.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def env_list(name: str, default: list[str]) -> list[str]:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "orchestrator-console-insecure-development-key")
+DEBUG = env_bool("DJANGO_DEBUG", False)
+ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_q",
+    "core",
+    "billing",
+    "jobs",
+    "runs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "orchestrator_site.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+WSGI_APPLICATION = "orchestrator_site.wsgi.application"
+ASGI_APPLICATION = "orchestrator_site.asgi.application"
+
+# --- Database -------------------------------------------------------------------------------
+SQLITE_PATH = Path(env_str("ORCHESTRATOR_SQLITE_PATH", str(BASE_DIR / "var" / "db.sqlite3")))
+DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
+DB_CONN_MAX_AGE = env_int("DB_CONN_MAX_AGE", 600)
+
+if DATABASE_URL:
+    DATABASES = {
+        "default": dj_database_url.parse(
+            DATABASE_URL, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True
+        )
+    }
+    if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+        DATABASES["default"].setdefault("OPTIONS", {})
+else:
+    SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    DATABASES = {
+        "default": {
+            "ENGINE": "django.db.backends.sqlite3",
+            "NAME": SQLITE_PATH,
+            "CONN_MAX_AGE": DB_CONN_MAX_AGE,
+            "OPTIONS": {
+                # Writers take the write lock when the transaction begins, so two writers
+                # wait for each other (busy timeout) instead of failing on lock upgrade.
+                "transaction_mode": "IMMEDIATE",
+                "timeout": env_int("ORCHESTRATOR_SQLITE_BUSY_TIMEOUT_S", 30),
+                "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+            },
+            "TEST": {"NAME": os.environ.get("ORCHESTRATOR_SQLITE_TEST_PATH") or None},
+        }
+    }
+
+DATABASE_IS_POSTGRES = DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql")
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "var" / "static"
+
+LOGIN_URL = "admin:login"
+
+# --- Orchestrator: runs (DESIGN §2) ---------------------------------------------------------
+ORCHESTRATOR_RUN_PENDING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_PENDING_TIMEOUT_S", 24 * 3600)
+ORCHESTRATOR_RUN_RUNNING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RUNNING_TIMEOUT_S", 24 * 3600)
+ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S", 60)
+ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S", 7 * 24 * 3600)
+ORCHESTRATOR_RUN_RESUMING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RESUMING_TIMEOUT_S", 5 * 60)
+ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S", 24 * 3600)
+ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
+ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
+ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
+}
+
+# --- Workers (django-q2) ---------------------------------------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "").strip()
+Q_WORKERS = env_int("ORCHESTRATOR_Q_WORKERS", 2)
+Q_TIMEOUT_S = env_int("ORCHESTRATOR_Q_TIMEOUT_S", 300)
+Q_RETRY_S = env_int("ORCHESTRATOR_Q_RETRY_S", Q_TIMEOUT_S + 60)
+Q_CLUSTER = {
+    "name": env_str("ORCHESTRATOR_Q_NAME", "orchestrator"),
+    "workers": Q_WORKERS,
+    "timeout": Q_TIMEOUT_S,
+    "retry": Q_RETRY_S,
+    "max_attempts": 1,
+    "ack_failures": True,
+    "save_limit": 1000,
+    "catch_up": False,
+    "poll": 0.05,
+    "label": "Django Q",
+}
+if REDIS_URL:
+    Q_CLUSTER["redis"] = REDIS_URL
+else:
+    Q_CLUSTER["orm"] = "default"

@@ -1,0 +1,380 @@
+"""Runs and their hierarchy: Run → Agent → Task → Step, with attempts and artifacts.
+
+Every status is a django-fsm-2 ``FSMField(protected=True)``: only the transition methods
+below change it, and only the services in ``runs/services.py`` call them (under the run's
+row lock). Transition methods set fields on ``self`` and nothing else.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+
+from core.models import Organization, Project
+
+
+class FailureMode(models.TextChoices):
+    FAIL_FAST = "fail-fast", "Fail fast"
+    CONTINUE = "continue", "Continue"
+    RETRY = "retry", "Retry"
+
+
+class ParallelismMode(models.TextChoices):
+    SEQUENTIAL = "sequential", "Sequential"
+    PARALLEL = "parallel", "Parallel"
+    DAG = "dag", "DAG"
+
+
+MAX_RETRIES_PER_LEVEL = 3
+
+
+class RunQuerySet(models.QuerySet):
+    def alive(self):
+        return self.filter(deleted_at__isnull=True)
+
+
+class Run(ConcurrentTransitionMixin, models.Model):
+    """A top-level execution: a plan of agents, tasks and steps, billed against a reservation.
+
+    Guarantees (kept by the services): credits ``reserved >= charged >= 0`` at every moment and
+    ``charged + refunded = reserved`` in every terminal state; exactly one winner when two
+    transitions race; ``failed`` is terminal once ``attempt_number == max_attempts``.
+    """
+
+    class Status(models.TextChoices):
+        CREATED = "created", "Created"
+        PENDING = "pending", "Pending"
+        RUNNING = "running", "Running"
+        PAUSED = "paused", "Paused"
+        RESUMING = "resuming", "Resuming"
+        COMPLETED = "completed", "Completed"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+        RETRYING = "retrying", "Retrying"
+
+    organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="runs")
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="runs")
+    name = models.CharField(max_length=200)
+    plan = models.JSONField()
+    status = FSMField(max_length=16, choices=Status.choices, default=Status.CREATED, protected=True, db_index=True)
+    status_reason = models.CharField(max_length=200, blank=True, default="",
+                                     help_text="why the run is paused or stopped (e.g. awaiting_approval:publish)")
+    priority = models.IntegerField(default=100, help_text="lower runs first")
+    failure_mode = models.CharField(max_length=16, choices=FailureMode.choices, default=FailureMode.FAIL_FAST)
+    max_agents = models.PositiveSmallIntegerField(default=10)
+    attempt_number = models.PositiveIntegerField(default=1)
+    max_attempts = models.PositiveIntegerField(default=3)
+    credit_limit = models.BigIntegerField(help_text="credits reserved for each attempt")
+    credits_reserved = models.BigIntegerField(default=0)
+    credits_charged = models.BigIntegerField(default=0)
+    credits_refunded = models.BigIntegerField(default=0)
+    replan_count = models.PositiveIntegerField(default=0)
+    last_error_code = models.CharField(max_length=100, blank=True, default="", db_index=True)
+    last_error = models.TextField(blank=True, default="")
+    last_heartbeat = models.DateTimeField(null=True, blank=True)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    status_changed_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    duration_ms = models.BigIntegerField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    objects = RunQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [
+            models.Index(fields=["status", "status_changed_at"], name="run_status_changed_idx"),
+            models.Index(fields=["project", "status"], name="run_project_status_idx"),
+            models.Index(fields=["organization", "-id"], name="run_org_idx"),
+        ]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(credit_limit__gt=0), name="run_credit_limit_positive"),
+            models.CheckConstraint(condition=models.Q(credits_charged__gte=0), name="run_charged_not_negative"),
+            models.CheckConstraint(condition=models.Q(credits_reserved__gte=models.F("credits_charged")),
+                                   name="run_reserved_covers_charged"),
+            models.CheckConstraint(condition=models.Q(attempt_number__lte=models.F("max_attempts")),
+                                   name="run_attempt_within_max"),
+        ]
+        permissions = [
+            ("force_fail_run", "Can force-fail a run"),
+            ("cancel_run", "Can cancel a run"),
+            ("pause_run", "Can pause a run"),
+            ("resume_run", "Can resume a run"),
+            ("retry_run", "Can retry a run"),
+            ("escalate_run", "Can escalate a run"),
+            ("recover_run", "Can recover stuck runs"),
+            ("approve_gate", "Can approve a gate"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.pk} {self.name!r} ({self.status})"
+
+    # --- transitions: set fields on self only ---------------------------------------------
+    def has_attempts_left(self) -> bool:
+        return self.attempt_number < self.max_attempts
+
+    @transition(field=status, source=Status.CREATED, target=Status.PENDING)
+    def start(self):
+        pass
+
+    @transition(field=status, source=[Status.PENDING, Status.RESUMING], target=Status.RUNNING)
+    def mark_running(self):
+        pass
+
+    @transition(field=status, source=Status.RUNNING, target=Status.COMPLETED)
+    def complete(self):
+        pass
+
+    @transition(field=status, source=[Status.PENDING, Status.RUNNING, Status.RESUMING, Status.RETRYING],
+                target=Status.FAILED)
+    def fail(self):
+        pass
+
+    @transition(field=status, source=Status.RUNNING, target=Status.PAUSED)
+    def pause(self):
+        pass
+
+    @transition(field=status, source=Status.PAUSED, target=Status.RESUMING)
+    def resume(self):
+        pass
+
+    @transition(field=status, source=[Status.CREATED, Status.PENDING, Status.RUNNING, Status.PAUSED],
+                target=Status.CANCELLED)
+    def cancel(self):
+        pass
+
+    @transition(field=status, source=Status.FAILED, target=Status.RETRYING, conditions=[has_attempts_left])
+    def retry(self):
+        self.attempt_number += 1
+
+    @transition(field=status, source=Status.RETRYING, target=Status.PENDING)
+    def requeue(self):
+        pass
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_RUN_STATES or (
+            self.status == Run.Status.FAILED and not self.has_attempts_left()
+        )
+
+
+TERMINAL_RUN_STATES = frozenset({Run.Status.COMPLETED, Run.Status.CANCELLED})
+SETTLED_RUN_STATES = frozenset({Run.Status.COMPLETED, Run.Status.CANCELLED, Run.Status.FAILED})
+ACTIVE_RUN_STATES = frozenset({Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED, Run.Status.RESUMING,
+                               Run.Status.RETRYING})
+
+
+class RunAttempt(models.Model):
+    """One attempt of a run: its own reservation, charges and refunds (kept after retries)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="attempts")
+    number = models.PositiveIntegerField()
+    credits_reserved = models.BigIntegerField(default=0)
+    credits_charged = models.BigIntegerField(default=0)
+    credits_refunded = models.BigIntegerField(default=0)
+    outcome = models.CharField(max_length=16, blank=True, default="")
+    error_code = models.CharField(max_length=100, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "number"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "number"], name="run_attempt_unique_number"),
+            models.CheckConstraint(condition=models.Q(credits_reserved__gte=models.F("credits_charged")),
+                                   name="attempt_reserved_covers_charged"),
+            models.CheckConstraint(condition=models.Q(credits_charged__gte=0), name="attempt_charged_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} attempt {self.number}"
+
+
+class NodeStatus(models.TextChoices):
+    PENDING = "pending", "Pending"
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    COMPLETED = "completed", "Completed"
+    FAILED = "failed", "Failed"
+    SKIPPED = "skipped", "Skipped"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+LIVE_NODE_STATES = frozenset({NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED})
+DONE_NODE_STATES = frozenset({NodeStatus.COMPLETED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED})
+
+
+class HierarchyNode(ConcurrentTransitionMixin, models.Model):
+    """Status machine shared by agents, tasks and steps."""
+
+    status = FSMField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.PENDING, protected=True,
+                      db_index=True)
+    name = models.CharField(max_length=200)
+    sequence = models.PositiveIntegerField()
+    last_error_code = models.CharField(max_length=100, blank=True, default="")
+    last_error = models.TextField(blank=True, default="")
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        abstract = True
+
+    @transition(field=status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
+    def begin(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
+    def pause(self):
+        pass
+
+    @transition(field=status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
+    def unpause(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.RUNNING, NodeStatus.PAUSED], target=NodeStatus.COMPLETED)
+    def complete(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                target=NodeStatus.FAILED)
+    def fail(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                target=NodeStatus.SKIPPED)
+    def skip(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                target=NodeStatus.CANCELLED)
+    def cancel(self):
+        pass
+
+    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED,
+                                      NodeStatus.COMPLETED, NodeStatus.FAILED, NodeStatus.SKIPPED,
+                                      NodeStatus.CANCELLED],
+                target=NodeStatus.PENDING)
+    def reset(self):
+        """Back to pending for a retry of the enclosing level (history stays in attempts)."""
+        self.finished_at = None
+
+
+class Agent(HierarchyNode):
+    """An agent of one run attempt: a set of tasks ordered by its ``parallelism_mode``."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="agents")
+    attempt_number = models.PositiveIntegerField()
+    failure_mode = models.CharField(max_length=16, choices=FailureMode.choices, default=FailureMode.FAIL_FAST)
+    parallelism_mode = models.CharField(max_length=16, choices=ParallelismMode.choices,
+                                        default=ParallelismMode.SEQUENTIAL)
+    retry_count = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        ordering = ["run_id", "attempt_number", "sequence"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "attempt_number", "name"], name="agent_unique_name_per_attempt"),
+        ]
+
+    def __str__(self) -> str:
+        return f"agent {self.name} of run {self.run_id}"
+
+
+class Task(HierarchyNode):
+    """A task of an agent: steps ordered by its ``parallelism_mode``; ``depends_on`` in a DAG."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tasks")
+    agent = models.ForeignKey(Agent, on_delete=models.CASCADE, related_name="tasks")
+    failure_mode = models.CharField(max_length=16, choices=FailureMode.choices, default=FailureMode.FAIL_FAST)
+    parallelism_mode = models.CharField(max_length=16, choices=ParallelismMode.choices,
+                                        default=ParallelismMode.SEQUENTIAL)
+    depends_on = models.JSONField(default=list, blank=True)
+    retry_count = models.PositiveSmallIntegerField(default=0)
+
+    class Meta:
+        ordering = ["agent_id", "sequence"]
+        constraints = [models.UniqueConstraint(fields=["agent", "name"], name="task_unique_name_per_agent")]
+
+    def __str__(self) -> str:
+        return f"task {self.name} of agent {self.agent_id}"
+
+
+class Step(HierarchyNode):
+    """One tool invocation (or a gate). Each execution is a ``StepAttempt``."""
+
+    class Kind(models.TextChoices):
+        TOOL = "tool", "Tool"
+        CHECK = "check", "Check"
+        APPROVAL = "approval", "Approval"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps")
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.TOOL)
+    tool = models.CharField(max_length=100, blank=True, default="")
+    args = models.JSONField(default=dict, blank=True)
+    attempts = models.PositiveIntegerField(default=0, help_text="attempts made, across retries")
+    tries_this_round = models.PositiveSmallIntegerField(default=0)
+    max_tries = models.PositiveSmallIntegerField(default=MAX_RETRIES_PER_LEVEL)
+    not_before = models.DateTimeField(null=True, blank=True)
+    output = models.JSONField(null=True, blank=True)
+    credits_charged = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["task_id", "sequence"]
+        constraints = [models.UniqueConstraint(fields=["task", "name"], name="step_unique_name_per_task")]
+
+    def __str__(self) -> str:
+        return f"step {self.name} of task {self.task_id}"
+
+
+class StepAttempt(models.Model):
+    """One execution of a step; its idempotency key is unique, so a replay never runs twice."""
+
+    class Outcome(models.TextChoices):
+        RUNNING = "running", "Running"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        DISCARDED = "discarded", "Discarded"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="step_attempts")
+    step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="step_attempts")
+    number = models.PositiveIntegerField()
+    idempotency_key = models.CharField(max_length=200, unique=True)
+    outcome = models.CharField(max_length=16, choices=Outcome.choices, default=Outcome.RUNNING)
+    cost = models.BigIntegerField(default=0)
+    retryable = models.BooleanField(null=True, blank=True)
+    error_code = models.CharField(max_length=100, blank=True, default="")
+    error = models.TextField(blank=True, default="")
+    started_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["step_id", "number"]
+        constraints = [models.UniqueConstraint(fields=["step", "number"], name="step_attempt_unique_number")]
+
+    def __str__(self) -> str:
+        return self.idempotency_key
+
+
+class Artifact(models.Model):
+    """A file a run produced. Expires ``ORCHESTRATOR_ARTIFACT_TTL_DAYS`` after the run completes."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="artifacts")
+    name = models.CharField(max_length=255)
+    storage_key = models.CharField(max_length=512, unique=True)
+    size_bytes = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "name"]
+        constraints = [models.UniqueConstraint(fields=["run", "name"], name="artifact_unique_name_per_run")]
+
+    def __str__(self) -> str:
+        return f"{self.name} of run {self.run_id}"

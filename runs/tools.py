@@ -1,0 +1,208 @@
+"""The tool registry: ``name → callable + cost + timeout + argument check``.
+
+A tool is a plain function ``fn(args: dict, ctx: ToolContext) -> JSON-able result``. Raise
+``RetryableToolError`` for transient failures and ``FatalToolError`` for permanent ones; any
+other exception is classified fatal with its message kept. Adding a tool is a few lines::
+
+    @register_tool("shout", cost=1, timeout_s=5)
+    def shout(args, ctx):
+        return {"text": str(args["text"]).upper()}
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from django.conf import settings
+
+
+class ToolError(Exception):
+    code = "tool_error"
+    retryable = False
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code:
+            self.code = code
+
+
+class RetryableToolError(ToolError):
+    code = "retryable_error"
+    retryable = True
+
+
+class FatalToolError(ToolError):
+    code = "fatal_error"
+    retryable = False
+
+
+class ToolCancelled(Exception):
+    """Raised by ``ToolContext.check_cancelled`` when the run was paused or cancelled."""
+
+
+# Seed 001 §6.1: error classes worth retrying.
+RETRYABLE_EXCEPTION_NAMES = frozenset({
+    "ConnectionError", "TimeoutError", "MemoryError", "DiskError", "LLMRateLimitError", "LLMTimeoutError",
+    "LLMServiceError", "RetryableToolError", "ConnectionResetError", "ConnectionRefusedError",
+})
+RETRYABLE_HTTP_STATUSES = frozenset({429, 502, 503, 504})
+
+
+def classify_exception(exc: BaseException) -> tuple[bool, str, str]:
+    """Return ``(retryable, code, message)`` for an exception raised by a tool."""
+    if isinstance(exc, ToolError):
+        return exc.retryable, exc.code, str(exc)
+    name = type(exc).__name__
+    retryable = name in RETRYABLE_EXCEPTION_NAMES or isinstance(exc, (ConnectionError, TimeoutError))
+    code = "retryable_error" if retryable else "fatal_error"
+    return retryable, code, f"{name}: {exc}"
+
+
+@dataclass
+class ToolContext:
+    """What a tool may see: the step's idempotency key and a cooperative stop check."""
+
+    idempotency_key: str
+    attempt: int = 1
+    should_stop: Callable[[], bool] = lambda: False
+
+    def check_cancelled(self) -> None:
+        if self.should_stop():
+            raise ToolCancelled("the run was paused or cancelled")
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    func: Callable[[dict, ToolContext], Any]
+    cost: int
+    timeout_s: float = 30.0
+    validate: Callable[[dict], list[str]] = field(default=lambda args: [])
+    description: str = ""
+
+
+_REGISTRY: dict[str, Tool] = {}
+
+
+def register_tool(name: str, *, cost: int, timeout_s: float = 30.0,
+                  validate: Callable[[dict], list[str]] | None = None, description: str = ""):
+    """Decorator that registers ``func`` as the tool ``name``."""
+    if cost <= 0:
+        raise ValueError("a tool's cost must be positive")
+
+    def decorator(func):
+        _REGISTRY[name] = Tool(name=name, func=func, cost=cost, timeout_s=timeout_s,
+                               validate=validate or (lambda args: []), description=description or (func.__doc__ or ""))
+        return func
+
+    return decorator
+
+
+def tool_get(name: str) -> Tool | None:
+    return _REGISTRY.get(name)
+
+
+def tool_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# --- built-in tools ---------------------------------------------------------------------------
+
+def _validate_echo(args: dict) -> list[str]:
+    return [] if isinstance(args.get("text"), str) else ["text: required, a string"]
+
+
+@register_tool("echo", cost=1, timeout_s=5, validate=_validate_echo)
+def echo(args: dict, ctx: ToolContext) -> dict:
+    """Return the text it was given."""
+    return {"text": args["text"]}
+
+
+def _validate_sleep(args: dict) -> list[str]:
+    seconds = args.get("seconds")
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        return ["seconds: required, a number"]
+    if not 0 <= seconds <= 3600:
+        return ["seconds: must be between 0 and 3600"]
+    return []
+
+
+@register_tool("sleep", cost=1, timeout_s=3600, validate=_validate_sleep)
+def sleep(args: dict, ctx: ToolContext) -> dict:
+    """Wait ``seconds``, checking for pause or cancel every 50 ms."""
+    deadline = time.monotonic() + float(args["seconds"])
+    while True:
+        ctx.check_cancelled()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return {"slept": args["seconds"]}
+        time.sleep(min(0.05, remaining))
+
+
+HTTP_MAX_RESPONSE_BYTES = 256 * 1024
+
+
+def _validate_http(args: dict) -> list[str]:
+    errors = []
+    url = args.get("url")
+    if not isinstance(url, str):
+        errors.append("url: required, a string")
+    else:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            errors.append("url: must be an http(s) URL")
+    method = args.get("method", "GET")
+    if method not in ("GET", "POST", "PUT", "DELETE", "HEAD"):
+        errors.append("method: one of GET, POST, PUT, DELETE, HEAD")
+    return errors
+
+
+@register_tool("http_request", cost=2, timeout_s=30, validate=_validate_http)
+def http_request(args: dict, ctx: ToolContext) -> dict:
+    """Call an allow-listed URL (``ORCHESTRATOR_HTTP_ALLOWED_HOSTS``), 10 s timeout, 256 KiB cap."""
+    url = args["url"]
+    host = urllib.parse.urlparse(url).hostname
+    if host not in settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS:
+        raise FatalToolError(f"host {host!r} is not allow-listed", code="host_not_allowed")
+    request = urllib.request.Request(url, method=args.get("method", "GET"),
+                                     headers={"Idempotency-Key": ctx.idempotency_key})
+    timeout = float(args.get("timeout", 10))
+    try:
+        with urllib.request.urlopen(request, timeout=min(timeout, 30)) as response:
+            body = response.read(HTTP_MAX_RESPONSE_BYTES + 1)
+            if len(body) > HTTP_MAX_RESPONSE_BYTES:
+                raise FatalToolError(f"response larger than {HTTP_MAX_RESPONSE_BYTES} bytes",
+                                     code="response_too_large")
+            return {"status": response.status, "body": body.decode("utf-8", "replace")}
+    except urllib.error.HTTPError as exc:
+        if exc.code in RETRYABLE_HTTP_STATUSES:
+            raise RetryableToolError(f"HTTP {exc.code} from {url}", code=f"http_{exc.code}") from exc
+        raise FatalToolError(f"HTTP {exc.code} from {url}", code=f"http_{exc.code}") from exc
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        raise RetryableToolError(f"cannot reach {url}: {exc}", code="connection_error") from exc
+
+
+def _validate_fail(args: dict) -> list[str]:
+    errors = []
+    if args.get("mode", "retryable") not in ("retryable", "fatal"):
+        errors.append("mode: one of retryable, fatal")
+    times = args.get("times", 1)
+    if isinstance(times, bool) or not isinstance(times, int) or times < 0:
+        errors.append("times: a whole number, zero or more")
+    return errors
+
+
+@register_tool("fail", cost=1, timeout_s=5, validate=_validate_fail)
+def fail(args: dict, ctx: ToolContext) -> dict:
+    """Fail the first ``times`` attempts (``retryable`` or ``fatal``), then succeed. For drills."""
+    mode = args.get("mode", "retryable")
+    if mode == "fatal":
+        raise FatalToolError("drill: fatal failure", code="drill_fatal")
+    if ctx.attempt <= int(args.get("times", 1)):
+        raise RetryableToolError(f"drill: retryable failure {ctx.attempt}", code="drill_retryable")
+    return {"attempt": ctx.attempt}

@@ -1,0 +1,74 @@
+"""Shared fixtures. State is always built through the services, never by writing rows."""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+from django.db import connection
+
+from billing.services import organization_create
+
+ON_POSTGRES = settings.DATABASE_IS_POSTGRES
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_POSTGRES:
+        return
+    skip = pytest.mark.skip(reason="needs PostgreSQL (row locks, SKIP LOCKED, triggers): "
+                                   "set DATABASE_URL=postgres://... to run it")
+    for item in items:
+        if "postgres" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def org_factory(db):
+    counter = {"n": 0}
+
+    def make(*, credits: int = 1_000, name: str | None = None, owner: str | None = None):
+        counter["n"] += 1
+        organization, project, owner_user, _ = organization_create(
+            name=name or f"org-{counter['n']}", owner_username=owner or f"owner-{counter['n']}", credits=credits)
+        return organization, project, owner_user
+
+    return make
+
+
+@pytest.fixture
+def org(org_factory):
+    return org_factory()[0]
+
+
+@pytest.fixture
+def project(org):
+    return org.projects.get(name="default")
+
+
+@pytest.fixture
+def operator(django_user_model):
+    return django_user_model.objects.create_user(username="op", password="pw", is_staff=True)
+
+
+def make_plan(agents: int = 1, tasks: int = 1, steps: int = 1, *, tool: str = "echo", args: dict | None = None,
+              **agent_options) -> dict:
+    """A plan of ``agents × tasks × steps`` steps of one tool."""
+    args = args if args is not None else ({"text": "hi"} if tool == "echo" else {})
+    return {
+        "agents": [
+            {"name": f"a{a}", **agent_options, "tasks": [
+                {"name": f"t{t}", "steps": [{"name": f"s{s}", "tool": tool, "args": dict(args)} for s in range(steps)]}
+                for t in range(tasks)
+            ]}
+            for a in range(agents)
+        ]
+    }
+
+
+@pytest.fixture
+def plan():
+    return make_plan()
+
+
+@pytest.fixture
+def db_vendor():
+    return connection.vendor
