@@ -10,8 +10,9 @@ from django.db import migrations
 CREATE = """
 CREATE OR REPLACE FUNCTION billing_ledger_append_only() RETURNS trigger AS $$
 BEGIN
-    RAISE EXCEPTION 'billing_ledgerentry is append-only: % is not allowed', TG_OP
-        USING ERRCODE = 'insufficient_privilege';
+    RAISE EXCEPTION USING
+        MESSAGE = 'billing_ledgerentry is append-only: ' || TG_OP || ' is not allowed',
+        ERRCODE = 'insufficient_privilege';
 END;
 $$ LANGUAGE plpgsql;
 
