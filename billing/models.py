@@ -53,7 +53,7 @@ class LedgerEntryQuerySet(models.QuerySet):
     def update(self, **kwargs):
         raise AppendOnlyViolation("ledger entries are append-only: UPDATE is not allowed")
 
-    def delete(self):
+    def delete(self, *args, **kwargs):  # also stands in for _raw_delete(using)
         raise AppendOnlyViolation("ledger entries are append-only: DELETE is not allowed")
 
     _raw_delete = delete

@@ -78,3 +78,35 @@ class CreditLimitExceeded(DomainError):
 class Conflict(DomainError):
     code = "conflict"
     status = 409
+
+
+class JobConflict(InvalidTransition):
+    """A job transition outside seed 000's matrix (terminal states are immutable)."""
+
+    code = "job_conflict"
+
+
+class QueueFull(DomainError):
+    """A per-project or global queue cap was reached; ``retry_after`` says when to try again."""
+
+    code = "queue_full"
+    status = 429
+
+
+class QueueDisabled(DomainError):
+    code = "queue_disabled"
+    status = 503
+
+
+class CommandConflict(DomainError):
+    """The same command idempotency key was used with another payload."""
+
+    code = "command_conflict"
+    status = 409
+
+
+class SystemSessionRefused(DomainError):
+    """User operations on system-owned worker sessions are refused."""
+
+    code = "system_session"
+    status = 403

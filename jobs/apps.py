@@ -1,6 +1,32 @@
 from django.apps import AppConfig
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+
+
+def check_q_cluster(config: dict) -> None:
+    """django-q2 re-delivers a message after ``retry`` seconds: it must exceed ``timeout``."""
+    timeout = config.get("timeout")
+    retry = config.get("retry")
+    if timeout is None or retry is None or retry <= timeout:
+        raise ImproperlyConfigured(
+            f"Q_CLUSTER retry ({retry}) must be greater than timeout ({timeout}); otherwise a message "
+            f"is delivered again while its task still runs (ORCHESTRATOR_Q_RETRY_S > ORCHESTRATOR_Q_TIMEOUT_S)")
+    if timeout <= settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_S:
+        raise ImproperlyConfigured("Q_CLUSTER timeout must exceed ORCHESTRATOR_QUEUE_DRAIN_MAX_S")
 
 
 class JobsConfig(AppConfig):
     name = "jobs"
     verbose_name = "Job queue"
+
+    def ready(self):
+        check_q_cluster(settings.Q_CLUSTER)
+        from django_q.signals import post_spawn
+
+        from jobs import definitions  # noqa: F401  (registers the built-in job types)
+        from jobs.worker import ensure_started
+
+        def start_heartbeat(sender, proc_name, **kwargs):
+            ensure_started()
+
+        post_spawn.connect(start_heartbeat, weak=False, dispatch_uid="orchestrator-heartbeat")

@@ -556,6 +556,13 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     if run.status not in (Run.Status.COMPLETED, Run.Status.FAILED, Run.Status.CANCELLED):
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="refund",
                                 why="only completed, failed or cancelled runs can be refunded")
+    key = idempotency_key or f"manual:{uuid.uuid4().hex}"
+    # A refund spread over several attempts is written under per-attempt keys: look for all of them,
+    # before checking the amount (a repeated request answers 0 even once nothing is left to refund).
+    attempt_keys = [f"{key}:attempt:{n}" for n in RunAttempt.objects.filter(run=run).values_list("number", flat=True)]
+    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.REFUND,
+                                  idempotency_key__in=[key, *attempt_keys]).exists():
+        return 0
     refundable = run.credits_charged
     if amount is None:
         amount = refundable
@@ -564,9 +571,6 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     if amount > refundable:
         raise ValidationFailed(f"cannot refund {amount}: only {refundable} charged and not yet refunded",
                                errors={"amount": [f"at most {refundable}"]})
-    key = idempotency_key or f"manual:{uuid.uuid4().hex}"
-    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.REFUND, idempotency_key=key).exists():
-        return 0
     before = _snapshot(run)
     left = amount
     for attempt in RunAttempt.objects.filter(run=run).order_by("-number"):

@@ -1,0 +1,35 @@
+"""Built-in job types."""
+
+from __future__ import annotations
+
+from core.errors import ValidationFailed
+from jobs.registry import Dedupe, JobDefinition, RetryPolicy, register
+
+
+def _validate_noop(payload: dict) -> dict:
+    if "sleep" in payload:
+        seconds = payload["sleep"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
+            raise ValidationFailed("invalid payload", errors={"payload.sleep": ["a number of seconds from 0 to 60"]})
+    return payload
+
+
+def _run_noop(ctx, payload: dict):
+    """Return the payload (optionally after sleeping, checking for cancellation)."""
+    import time
+
+    seconds = float(payload.get("sleep", 0))
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ctx.check_cancelled()
+        time.sleep(min(0.02, max(0.0, end - time.monotonic())))
+    return {"echo": payload.get("value"), "attempt": ctx.attempt}
+
+
+# A trivial job for benchmarks, health probes and drills. No lane: runs as wide as allowed.
+NOOP = register(JobDefinition(
+    type="noop", run=_run_noop, validate=_validate_noop, priority_class="background",
+    lane=lambda payload, project_id: payload.get("lane", ""),
+    dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=3),
+    timeout_s=65,
+))

@@ -1,0 +1,157 @@
+"""Runs one claimed job through its definition and maps every outcome onto the state machine.
+
+Outcomes: a result → completed; ``JobCancelled`` → cancelled; a timeout or an exception →
+classified by the definition (retryable → awaiting_tool with backoff, within the attempt
+and failure budgets; fatal → failed); an unknown type or an invalid payload → failed with
+``invalid_payload``; a deadline already passed → completed with the fallback result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.utils import timezone
+
+from core.errors import ValidationFailed
+from jobs import services
+from jobs.models import Job, JobReason
+from jobs.registry import JobCancelled, JobDefinition, JobTimeout, definition_get
+
+logger = logging.getLogger("orchestrator.jobs")
+
+# The job this process is executing now (read by the heartbeat thread to renew its lease).
+CURRENT: dict[str, Any] = {"job_id": None, "worker": None}
+
+
+@dataclass
+class JobContext:
+    """What a job's code sees: ids, an idempotency key, progress and a cancellation check."""
+
+    job_id: int
+    attempt: int
+    worker: str
+    project_id: int
+    run_id: int | None
+    definition: JobDefinition
+    session: Any = None
+    _last_check: float = field(default=0.0, repr=False)
+    _cancelled: bool = field(default=False, repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"job:{self.job_id}:attempt:{self.attempt}"
+
+    def progress(self, data: dict) -> None:
+        services.job_progress(job_id=self.job_id, attempt=self.attempt, progress=data)
+
+    def should_stop(self) -> bool:
+        """True once cancellation was requested (read from the database at most every 100 ms)."""
+        now = time.monotonic()
+        if not self._cancelled and now - self._last_check >= 0.1:
+            self._last_check = now
+            self._cancelled = services.job_cancel_requested(job_id=self.job_id)
+        return self._cancelled
+
+    def check_cancelled(self) -> None:
+        if self.should_stop():
+            raise JobCancelled(f"job {self.job_id} was cancelled")
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None):
+    """Raise ``JobTimeout`` in this (main) thread after ``seconds``.
+
+    django-q2 arms its own SIGALRM for the whole message; it is saved and re-armed after.
+    """
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous_handler = signal.getsignal(signal.SIGALRM)
+    previous_remaining = signal.alarm(0)
+    started = time.monotonic()
+    limit = float(seconds)
+    if previous_remaining:
+        limit = min(limit, max(previous_remaining - 1.0, 0.5))
+
+    def on_alarm(signum, frame):
+        raise JobTimeout(f"job exceeded its timeout of {seconds:g} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_remaining:
+            signal.alarm(max(1, int(previous_remaining - (time.monotonic() - started))))
+
+
+def job_run_claimed(job: Job, *, worker: str) -> str:
+    """Execute a job this worker has claimed; returns what happened to it."""
+    definition = definition_get(job.type)
+    attempt = job.attempts
+    if definition is None:
+        services.job_fail(job_id=job.pk, reason=JobReason.INVALID_PAYLOAD,
+                          error=f"unknown job type {job.type!r}: no definition is registered")
+        return "failed"
+    try:
+        payload = definition.validated(job.payload)
+    except ValidationFailed as exc:
+        services.job_fail(job_id=job.pk, reason=JobReason.INVALID_PAYLOAD, error=f"{exc.detail}: {exc.errors}")
+        return "failed"
+    except Exception as exc:  # a validator that crashed on a malformed persisted payload
+        services.job_fail(job_id=job.pk, reason=JobReason.INVALID_PAYLOAD, error=f"{type(exc).__name__}: {exc}")
+        return "failed"
+    timeout = definition.effective_timeout_s
+    if job.deadline_at is not None:
+        remaining = (job.deadline_at - timezone.now()).total_seconds()
+        if remaining <= 0:
+            services.jobs_enforce_deadlines()
+            return "fallback"
+        timeout = min(timeout, remaining) if timeout else remaining
+    context = JobContext(job_id=job.pk, attempt=attempt, worker=worker, project_id=job.project_id,
+                         run_id=job.run_id, definition=definition)
+    CURRENT.update(job_id=job.pk, worker=worker)
+    try:
+        if definition.session_agent:
+            from jobs.sessions import worker_session_for_job
+
+            context.session = worker_session_for_job(job=job, definition=definition)
+        with time_limit(timeout):
+            result = definition.run(context, payload)
+    except JobCancelled:
+        services.job_mark_cancelled(job_id=job.pk, attempt=attempt)
+        return "cancelled"
+    except JobTimeout as exc:
+        if job.deadline_at is not None and job.deadline_at <= timezone.now():
+            services.jobs_enforce_deadlines()
+            return "fallback"
+        retryable = definition.retry.classify(exc) == "retryable"
+        return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=str(exc), retryable=retryable,
+                                         reason=JobReason.TIMEOUT)
+    except Exception as exc:
+        retryable = definition.retry.classify(exc) == "retryable"
+        logger.info("job %s attempt %s raised %s: %s", job.pk, attempt, type(exc).__name__, exc)
+        return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=f"{type(exc).__name__}: {exc}",
+                                         retryable=retryable)
+    finally:
+        CURRENT.update(job_id=None)
+    applied = services.job_complete(job_id=job.pk, attempt=attempt, result=_jsonable(result))
+    return "completed" if applied else "discarded"
+
+
+def _jsonable(value: Any) -> Any:
+    import json
+
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return {"repr": repr(value)}

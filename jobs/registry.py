@@ -1,0 +1,163 @@
+"""The ``JobDefinition`` registry (seed 003): no job runs outside it.
+
+A definition declares a job type once: its payload validation, dedupe policy, retry policy
+(attempt and failure budgets, retryable/fatal classification, backoff), timeout, optional
+deadline with a deterministic fallback result, cancel strategy, lane and hooks::
+
+    register(JobDefinition(
+        type="reindex", run=reindex, validate=validate_reindex,
+        priority_class="background", dedupe=Dedupe("drop_duplicate", key=lambda p, project: p["index"]),
+    ))
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from django.conf import settings
+
+from core.errors import ValidationFailed
+
+DEDUPE_MODES = ("single_flight", "drop_duplicate", "merge_duplicate", "none")
+BACKOFF_STRATEGIES = ("exponential", "immediate_linear")
+
+
+class RetryableJobError(Exception):
+    """A transient failure: retried within the attempt and failure budgets."""
+
+    code = "retryable_error"
+
+
+class FatalJobError(Exception):
+    """A permanent failure: the job fails at once with ``fatal_error``."""
+
+    code = "fatal_error"
+
+
+class JobTimeout(Exception):
+    """The job ran past its definition's timeout."""
+
+
+class JobCancelled(Exception):
+    """Raised by ``JobContext.check_cancelled`` when cancellation was requested."""
+
+
+RETRYABLE_NAMES = frozenset({"ConnectionError", "TimeoutError", "JobTimeout", "RetryableJobError",
+                             "RetryableToolError", "OperationalError", "InterfaceError"})
+
+
+def classify_default(exc: BaseException) -> str:
+    """``retryable`` for transient classes (network, timeouts, database hiccups), else ``fatal``."""
+    if getattr(exc, "retryable", None) is True:
+        return "retryable"
+    if getattr(exc, "retryable", None) is False:
+        return "fatal"
+    names = {klass.__name__ for klass in type(exc).__mro__}
+    return "retryable" if names & RETRYABLE_NAMES else "fatal"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_attempts: int | None = None  # None: ORCHESTRATOR_QUEUE_MAX_ATTEMPTS
+    max_failures: int | None = None  # None: same as max_attempts
+    classify: Callable[[BaseException], str] = classify_default
+    backoff: str = "exponential"
+    base_delay_ms: int = 100
+    max_delay_ms: int = 30_000
+    step_ms: int = 60  # immediate_linear: 0, 60, 120 ...
+    jitter: bool = True
+
+    def delay_ms(self, attempt: int, *, rng: random.Random | None = None) -> int:
+        """Delay before retry number ``attempt`` (1 = the first retry)."""
+        if self.backoff == "immediate_linear":
+            return min(self.step_ms * (attempt - 1), self.max_delay_ms)
+        delay = min(self.base_delay_ms * (2 ** (attempt - 1)), self.max_delay_ms)
+        if self.jitter:
+            delay += delay * 0.1 * (2 * (rng or random).random() - 1)
+        return max(0, int(delay))
+
+
+@dataclass(frozen=True)
+class Dedupe:
+    mode: str = "none"
+    key: Callable[[dict, int], str | None] = lambda payload, project_id: None
+    merge: Callable[[dict, dict], dict] | None = None
+
+
+def _no_validation(payload: dict) -> dict:
+    return payload
+
+
+@dataclass(frozen=True)
+class JobDefinition:
+    type: str
+    run: Callable[["Any", dict], Any]
+    version: int = 1
+    priority_class: str = "background"
+    priority: int = 100
+    validate: Callable[[dict], dict] = _no_validation
+    dedupe: Dedupe = field(default_factory=Dedupe)
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    timeout_s: float | None = None  # None: ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS
+    deadline_ms: int | None = None
+    fallback: Callable[[dict], Any] | None = None
+    cancel_strategy: str = "cooperative"  # or "mark_cancelled"
+    graceful_ms: int = 5_000
+    lane: Callable[[dict, int], str] = lambda payload, project_id: f"project:{project_id}"
+    session_agent: str | None = None  # run inside the owner::agent worker session
+    bootstrap_key: str | None = None
+    on_queued: Callable | None = None
+    on_started: Callable | None = None
+    on_completed: Callable | None = None
+    on_failed: Callable | None = None
+    on_cancelled: Callable | None = None
+
+    def __post_init__(self):
+        if self.dedupe.mode not in DEDUPE_MODES:
+            raise ValueError(f"{self.type}: dedupe mode must be one of {DEDUPE_MODES}")
+        if self.dedupe.mode == "merge_duplicate" and self.dedupe.merge is None:
+            raise ValueError(f"{self.type}: merge_duplicate needs a merge function")
+        if self.retry.backoff not in BACKOFF_STRATEGIES:
+            raise ValueError(f"{self.type}: backoff must be one of {BACKOFF_STRATEGIES}")
+        if self.priority_class not in ("interactive", "background"):
+            raise ValueError(f"{self.type}: priority_class must be interactive or background")
+        if self.deadline_ms is not None and self.fallback is None:
+            raise ValueError(f"{self.type}: a deadline needs a deterministic fallback result")
+
+    @property
+    def max_attempts(self) -> int:
+        return self.retry.max_attempts or settings.ORCHESTRATOR_QUEUE_MAX_ATTEMPTS
+
+    @property
+    def max_failures(self) -> int:
+        return self.retry.max_failures or self.max_attempts
+
+    @property
+    def effective_timeout_s(self) -> float:
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return settings.ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS / 1000
+
+    def validated(self, payload: Any) -> dict:
+        if not isinstance(payload, dict):
+            raise ValidationFailed("invalid payload", errors={"payload": ["must be a JSON object"]})
+        result = self.validate(payload)
+        return payload if result is None else result
+
+
+_REGISTRY: dict[str, JobDefinition] = {}
+
+
+def register(definition: JobDefinition) -> JobDefinition:
+    _REGISTRY[definition.type] = definition
+    return definition
+
+
+def definition_get(job_type: str) -> JobDefinition | None:
+    return _REGISTRY.get(job_type)
+
+
+def definition_types() -> list[str]:
+    return sorted(_REGISTRY)

@@ -1,0 +1,61 @@
+"""django-q2 messages: each one means "a job may be ready"; the worker claims the best one.
+
+Within one process, wake messages are coalesced (at most one per ``WAKE_COALESCE_MS``): a
+worker drains many jobs per message, and the maintenance pump re-issues messages whenever
+eligible jobs wait with no message in the broker (lost messages, coalesced wakes, retries
+whose backoff has passed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from django.conf import settings
+
+logger = logging.getLogger("orchestrator.jobs")
+
+WAKE_COALESCE_MS = 20
+_lock = threading.Lock()
+_last_wake = 0.0
+
+
+def _send(count: int) -> None:
+    from django_q.tasks import async_task
+
+    for _ in range(count):
+        async_task("jobs.tasks.drain", save=False, ack_failure=True)
+
+
+def wake_workers(count: int = 1, *, force: bool = False) -> int:
+    """Send up to ``count`` wake messages (coalesced unless ``force``). Returns how many were sent."""
+    global _last_wake
+    if count <= 0:
+        return 0
+    now = time.monotonic()
+    with _lock:
+        if not force and (now - _last_wake) * 1000 < WAKE_COALESCE_MS:
+            return 0
+        _last_wake = now
+    try:
+        _send(count)
+    except Exception:  # the broker is down: the pump re-issues once it is back
+        logger.exception("could not send a wake message")
+        return 0
+    return count
+
+
+def broker_backlog() -> int:
+    """Messages waiting in the broker (not leased by a worker)."""
+    from django_q.brokers import get_broker
+
+    try:
+        return get_broker().queue_size() or 0
+    except Exception:
+        logger.exception("could not read the broker's queue size")
+        return 0
+
+
+def worker_count() -> int:
+    return int(settings.Q_CLUSTER.get("workers") or 1)

@@ -1,0 +1,226 @@
+"""Property: whatever operators and workers do to a few runs, credits are conserved.
+
+Hypothesis draws sequences of actions (create, start, mark running, begin a step, finish it
+with success or a retryable or fatal failure, complete, fail, cancel, pause, resume, retry,
+requeue, refund, top up) over a few runs of one organization with limited credits. After
+every action ``invariants_check()`` is empty (per attempt ``reserved >= charged >= 0``,
+settled attempts ``charged + refunded == reserved``, account == ledger sums, hash chain,
+hierarchy and state consistency) and the organization's available credits are never
+negative. Forbidden actions raise a domain error and write nothing.
+
+Each example builds its state through the services inside a transaction that is rolled
+back at the end, so examples are independent on SQLite and on PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+from django.db import transaction
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from billing.models import CreditAccount, LedgerEntry
+from billing.selectors import ledger_account_sums
+from billing.services import account_topup, organization_create
+from core.errors import InsufficientCredits, InvalidTransition, ValidationFailed
+from core.models import Event
+from runs import services
+from runs.invariants import invariants_check
+from runs.models import Run, StepAttempt
+
+EXPECTED_ERRORS = (InvalidTransition, InsufficientCredits, ValidationFailed)
+STARTING_CREDITS = 20
+RUN_SLOTS = 3
+
+
+STATS = {}
+OUT={}
+import atexit
+atexit.register(lambda: print(sorted(STATS.items()), sorted(OUT.items())))
+class Rollback(Exception):
+    """Raised at the end of an example to undo everything it wrote."""
+
+
+def _plan(variant: int) -> dict:
+    """Small plans: worst-case costs 6 (two sequential echo steps) or 6 (two agents)."""
+    if variant == 0:
+        return {"agents": [{"name": "a", "tasks": [{"name": "t", "steps": [
+            {"name": "s0", "tool": "echo", "args": {"text": "x"}},
+            {"name": "s1", "tool": "echo", "args": {"text": "y"}}]}]}]}
+    if variant == 1:
+        return {"agents": [
+            {"name": "a", "failure_mode": "continue", "tasks": [
+                {"name": "t", "steps": [{"name": "s", "tool": "echo", "args": {"text": "x"}}]}]},
+            {"name": "b", "tasks": [
+                {"name": "t", "failure_mode": "retry", "steps": [{"name": "s", "tool": "echo", "args": {"text": "y"}}]}]},
+        ]}
+    return {"agents": [{"name": "a", "parallelism_mode": "parallel", "tasks": [
+        {"name": "t0", "failure_mode": "continue", "parallelism_mode": "parallel", "steps": [
+            {"name": "s0", "tool": "echo", "args": {"text": "x"}},
+            {"name": "s1", "tool": "sleep", "args": {"seconds": 0}}]},
+        {"name": "t1", "steps": [{"name": "s0", "tool": "echo", "args": {"text": "z"}}]}]}]}
+
+
+slot = st.integers(min_value=0, max_value=RUN_SLOTS - 1)
+RUN_CONFIG = st.tuples(st.integers(0, 2), st.sampled_from(["fail-fast", "continue", "retry"]),
+                       st.sampled_from([None, None, 1, 2, 4]), st.integers(1, 3))
+
+
+def _weighted(weight: int, strategy):
+    return [strategy] * weight
+
+
+# ``advance`` does the next natural thing for a run (what a worker would do), so that runs
+# get somewhere; the other actions are operators' and workers' moves at random moments.
+ACTIONS = st.one_of(
+    *_weighted(6, st.tuples(st.just("advance"), slot)),
+    st.tuples(st.just("create"), RUN_CONFIG),
+    st.tuples(st.just("start"), slot),
+    st.tuples(st.just("mark_running"), slot),
+    *_weighted(2, st.tuples(st.just("begin"), slot)),
+    *_weighted(2, st.tuples(st.just("succeed"), slot)),
+    st.tuples(st.just("fail_step"), slot, st.booleans()),
+    st.tuples(st.just("complete"), slot),
+    st.tuples(st.just("fail"), slot),
+    st.tuples(st.just("cancel"), slot),
+    st.tuples(st.just("pause"), slot),
+    st.tuples(st.just("resume"), slot),
+    st.tuples(st.just("retry"), slot),
+    st.tuples(st.just("requeue"), slot),
+    st.tuples(st.just("refund"), slot, st.sampled_from([None, 1, 2, 5])),
+    st.tuples(st.just("topup"), st.sampled_from([1, 5, 0])),
+)
+
+
+def _open_attempt(run_id: int) -> StepAttempt:
+    attempt = (StepAttempt.objects.filter(run_id=run_id, outcome=StepAttempt.Outcome.RUNNING)
+               .order_by("id").first())
+    if attempt is None:
+        raise InvalidTransition(entity="run", entity_id=run_id, current="-", requested="finish step",
+                                why="no step attempt in flight")
+    return attempt
+
+
+def _next_move(run_id: int) -> str:
+    status = Run.objects.values_list("status", flat=True).get(pk=run_id)
+    if status == Run.Status.RUNNING:
+        in_flight = StepAttempt.objects.filter(run_id=run_id, outcome=StepAttempt.Outcome.RUNNING).exists()
+        return "succeed" if in_flight else "begin"
+    return {Run.Status.CREATED: "start", Run.Status.PENDING: "mark_running", Run.Status.RESUMING: "mark_running",
+            Run.Status.RETRYING: "requeue", Run.Status.PAUSED: "resume", Run.Status.FAILED: "retry"}.get(status,
+                                                                                                     "refund")
+
+
+def _perform(action: tuple, *, project, runs: list[int], counter: list[int]) -> None:
+    name = action[0]
+    if name == "create":
+        variant, failure_mode, credit_limit, max_attempts = action[1]
+        run = services.run_create(project=project, name=f"p{len(runs)}", plan=_plan(variant),
+                                  failure_mode=failure_mode, credit_limit=credit_limit, max_attempts=max_attempts)
+        runs.append(run.pk)
+        return
+    if name == "topup":
+        counter[0] += 1
+        account_topup(organization_id=project.organization_id, amount=action[1], reason="property top-up",
+                      idempotency_key=f"topup-{counter[0]}")
+        return
+    if not runs:
+        return
+    run_id = runs[action[1] % len(runs)]
+    if name == "advance":
+        name = _next_move(run_id)
+    if name == "start":
+        services.run_start(run_id=run_id)
+    elif name == "mark_running":
+        services.run_mark_running(run_id=run_id)
+    elif name == "begin":
+        steps = services.runnable_steps(Run.objects.get(pk=run_id))
+        if not steps:
+            raise InvalidTransition(entity="run", entity_id=run_id, current="-", requested="begin step",
+                                    why="nothing runnable")
+        services.step_begin(step_id=steps[0].pk)
+    elif name == "succeed":
+        services.step_attempt_succeed(attempt_id=_open_attempt(run_id).pk, output={"ok": True})
+    elif name == "fail_step":
+        services.step_attempt_fail(attempt_id=_open_attempt(run_id).pk, code="drill", message="drill",
+                                   retryable=action[2])
+    elif name == "complete":
+        services.run_complete(run_id=run_id)
+    elif name == "fail":
+        services.run_fail(run_id=run_id, code="operator_fail", message="failed by the property test")
+    elif name == "cancel":
+        services.run_cancel(run_id=run_id, reason="property cancel")
+    elif name == "pause":
+        services.run_pause(run_id=run_id)
+    elif name == "resume":
+        services.run_resume(run_id=run_id)
+    elif name == "retry":
+        services.run_retry(run_id=run_id)
+    elif name == "requeue":
+        services.run_requeue(run_id=run_id)
+    elif name == "refund":
+        counter[0] += 1
+        services.run_refund(run_id=run_id, amount=action[2] if len(action) > 2 else None, reason="property refund",
+                            idempotency_key=f"refund-{counter[0]}")
+    else:  # pragma: no cover - a typo in ACTIONS
+        raise AssertionError(f"unknown action {name}")
+
+
+def _written() -> tuple[int, int]:
+    return LedgerEntry.objects.count(), Event.objects.count()
+
+
+def _check(organization_id: int, trail: list) -> None:
+    violations = invariants_check()
+    assert violations == [], f"after {trail}: {[str(v) for v in violations]}"
+    account = CreditAccount.objects.get(organization_id=organization_id)
+    assert account.available >= 0, f"after {trail}: available {account.available}"
+    assert account.reserved >= 0
+    assert ledger_account_sums(organization_id=organization_id) == {"balance": account.balance,
+                                                                    "reserved": account.reserved}
+
+
+@pytest.mark.django_db
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(first_runs=st.lists(RUN_CONFIG, min_size=1, max_size=RUN_SLOTS),
+       actions=st.lists(ACTIONS, min_size=10, max_size=40))
+def test_credits_are_conserved_whatever_happens(first_runs, actions):
+    outcomes: list[str] = []
+    try:
+        # Retry backoff (100 ms and up) is not what this property is about: make waits zero.
+        with transaction.atomic(), mock.patch("runs.services.step_backoff_ms", return_value=0):
+            organization, project, _, _ = organization_create(name="property", owner_username="property-owner",
+                                                              credits=STARTING_CREDITS)
+            runs: list[int] = []
+            counter = [0]
+            trail: list = []
+            for action in [("create", config) for config in first_runs] + actions:
+                trail.append(action)
+                before = _written()
+                try:
+                    _perform(action, project=project, runs=runs, counter=counter)
+                except EXPECTED_ERRORS as exc:
+                    # A refused action writes nothing at all.
+                    assert _written() == before, f"{action} raised {exc!r} but wrote rows"
+                    outcomes.append(type(exc).__name__)
+                else:
+                    outcomes.append("ok")
+                _check(organization.pk, trail)
+            # Settle everything still open: conservation must still hold with every run settled.
+            for run_id in runs:
+                run = Run.objects.get(pk=run_id)
+                if run.status in (Run.Status.CREATED, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED):
+                    services.run_cancel(run_id=run_id, reason="end of example")
+                elif run.status in (Run.Status.RESUMING, Run.Status.RETRYING):
+                    services.run_fail(run_id=run_id, code="end_of_example", message="end of example")
+            _check(organization.pk, trail + ["settle all"])
+            account = CreditAccount.objects.get(organization_id=organization.pk)
+            assert account.reserved == 0, f"after {trail}: credits still held with every run settled"
+            for r in Run.objects.all(): STATS.setdefault((r.status, r.attempt_number), 0); STATS[(r.status, r.attempt_number)] += 1
+            for a,o in zip([("create",)]*len(first_runs)+actions,outcomes): OUT[(a[0],o)] = OUT.get((a[0],o),0)+1
+            raise Rollback
+    except Rollback:
+        pass
