@@ -33,3 +33,29 @@ NOOP = register(JobDefinition(
     dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=3),
     timeout_s=65,
 ))
+
+
+def _run_probe(ctx, payload: dict):
+    """Record one execution as an event (drills count them), then behave like ``noop``."""
+    from core.services import event_record
+
+    event_record(type="job_probe_executed", organization_id=None, project_id=ctx.project_id,
+                 payload={"jobId": ctx.job_id, "attempt": ctx.attempt, "worker": ctx.worker})
+    if payload.get("fail") == "fatal":
+        raise ValueError("probe: fatal failure requested")
+    if payload.get("fail") == "retryable" and ctx.attempt <= int(payload.get("times", 1)):
+        raise ConnectionError(f"probe: retryable failure on attempt {ctx.attempt}")
+    return _run_noop(ctx, payload)
+
+
+# Like ``noop`` but leaves an event per execution: drills and tests count executions with it.
+PROBE = register(JobDefinition(
+    type="probe", run=_run_probe, validate=_validate_noop, priority_class="background",
+    lane=lambda payload, project_id: payload.get("lane", ""),
+    dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=5, backoff="immediate_linear"),
+    timeout_s=65,
+))
+
+
+# The ``command`` job type (seed 000 AG-EXE-01) lives with the command boundary.
+from jobs.commands import job as _command_job  # noqa: E402,F401  (registers "command")

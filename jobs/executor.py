@@ -118,7 +118,7 @@ def job_run_claimed(job: Job, *, worker: str) -> str:
         timeout = min(timeout, remaining) if timeout else remaining
     context = JobContext(job_id=job.pk, attempt=attempt, worker=worker, project_id=job.project_id,
                          run_id=job.run_id, definition=definition)
-    CURRENT.update(job_id=job.pk, worker=worker)
+    CURRENT.update(job_id=job.pk, worker=worker, run_id=job.run_id)
     try:
         if definition.session_agent:
             from jobs.sessions import worker_session_for_job
@@ -142,7 +142,7 @@ def job_run_claimed(job: Job, *, worker: str) -> str:
         return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=f"{type(exc).__name__}: {exc}",
                                          retryable=retryable)
     finally:
-        CURRENT.update(job_id=None)
+        CURRENT.update(job_id=None, run_id=None)
     applied = services.job_complete(job_id=job.pk, attempt=attempt, result=_jsonable(result))
     return "completed" if applied else "discarded"
 

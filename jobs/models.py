@@ -209,3 +209,183 @@ class MaintenanceMark(models.Model):
 
     name = models.CharField(max_length=64, primary_key=True)
     last_run = models.DateTimeField()
+
+
+# --- execution command boundary ---------------------------------------------------------
+# Seed 000 AG-EXE-01 and seed 004 "Worker Session Provisioning". Written only by
+# ``jobs.commands`` (commands, the reference adapter) and ``jobs.sessions`` (worker sessions).
+
+
+class CommandKind(models.TextChoices):
+    CREATE_DEPLOYMENT = "create_deployment", "Create deployment"
+    STOP_DEPLOYMENT = "stop_deployment", "Stop deployment"
+    PLACE_ORDER = "place_order", "Place order"
+    CANCEL_ORDER = "cancel_order", "Cancel order"
+    INVOKE_TOOL = "invoke_tool", "Invoke tool"
+
+
+class CommandStatus(models.TextChoices):
+    RECORDED = "recorded", "Recorded (no result yet)"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+
+
+class CommandRecord(models.Model):
+    """One side-effecting command, recorded (and committed) before its adapter is called.
+
+    ``(project, kind, idempotency_key)`` is unique: a replay with the same payload hash gets
+    the recorded result without a second side effect, another payload is a conflict. A row
+    still ``recorded`` was never finished (its worker died, or a retryable error): replaying it
+    calls the adapter again with the same key. ``attempts`` counts those adapter calls.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="commands")
+    kind = models.CharField(max_length=40, choices=CommandKind.choices)
+    idempotency_key = models.CharField(max_length=200)
+    payload_hash = models.CharField(max_length=64, help_text="sha256 of the canonical JSON of the arguments")
+    args = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=CommandStatus.choices, default=CommandStatus.RECORDED)
+    result = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True, default="")
+    error_code = models.CharField(max_length=64, blank=True, default="")
+    attempts = models.PositiveIntegerField(default=0, help_text="adapter calls made for this command")
+    actor_label = models.CharField(max_length=150, blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["project", "kind", "idempotency_key"],
+                                    name="command_unique_key_per_project_kind"),
+        ]
+        indexes = [models.Index(fields=["status", "created_at"], name="command_status_idx")]
+
+    def __str__(self) -> str:
+        return f"command {self.pk} {self.kind} {self.idempotency_key} ({self.status})"
+
+
+class Deployment(models.Model):
+    """A deployment made by the reference ``DatabaseAdapter`` (one per creating idempotency key)."""
+
+    class Status(models.TextChoices):
+        ACTIVE = "active", "Active"
+        STOPPED = "stopped", "Stopped"
+
+    id = models.BigAutoField(primary_key=True)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="deployments")
+    name = models.CharField(max_length=200)
+    spec = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.ACTIVE)
+    idempotency_key = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["project", "idempotency_key"], name="deployment_unique_key_per_project"),
+        ]
+
+    def __str__(self) -> str:
+        return f"deployment {self.pk} {self.name} ({self.status})"
+
+
+class Order(models.Model):
+    """An order placed by the reference ``DatabaseAdapter`` (one per placing idempotency key)."""
+
+    class Side(models.TextChoices):
+        BUY = "buy", "Buy"
+        SELL = "sell", "Sell"
+
+    class Status(models.TextChoices):
+        OPEN = "open", "Open"
+        CANCELLED = "cancelled", "Cancelled"
+
+    id = models.BigAutoField(primary_key=True)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="orders")
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.PROTECT, related_name="orders")
+    symbol = models.CharField(max_length=64)
+    side = models.CharField(max_length=8, choices=Side.choices)
+    quantity = models.DecimalField(max_digits=28, decimal_places=10)
+    price = models.DecimalField(max_digits=28, decimal_places=10, null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.OPEN)
+    idempotency_key = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["project", "idempotency_key"], name="order_unique_key_per_project"),
+        ]
+
+    def __str__(self) -> str:
+        return f"order {self.pk} {self.side} {self.quantity} {self.symbol} ({self.status})"
+
+
+class AdapterCall(models.Model):
+    """One write call received by the reference ``DatabaseAdapter``, committed with its effect.
+
+    Replays show up here as extra calls with the same key while the effect exists once.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="+")
+    adapter = models.CharField(max_length=64)
+    operation = models.CharField(max_length=40)
+    idempotency_key = models.CharField(max_length=200, blank=True, default="")
+    outcome = models.CharField(max_length=64, blank=True, default="", help_text="created, existing, ... or an error code")
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+
+    class Meta:
+        ordering = ["-id"]
+        indexes = [models.Index(fields=["project", "operation", "idempotency_key"], name="adapter_call_key_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.adapter}.{self.operation} {self.idempotency_key}"
+
+
+class WorkerSessionStatus(models.TextChoices):
+    PROVISIONING = "provisioning", "Provisioning"
+    READY = "ready", "Ready"
+    STALE = "stale", "Stale"
+    FAILED = "failed", "Failed"
+
+
+class WorkerSession(models.Model):
+    """An agent's working context, keyed ``owner::agent`` (owner ``project:<id>`` or ``session:<id>``).
+
+    Created lazily on the first job (the key is unique, so concurrent first jobs share one row),
+    preflighted once per generation, bootstrapped once per bootstrap key, and reprovisioned
+    (a new generation) at most once per job when stale. System-owned sessions are hidden from
+    user listings and refuse user operations.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=400, unique=True)
+    owner = models.CharField(max_length=200)
+    agent = models.CharField(max_length=190)
+    project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    system_owned = models.BooleanField(default=True)
+    status = models.CharField(max_length=16, choices=WorkerSessionStatus.choices,
+                              default=WorkerSessionStatus.PROVISIONING)
+    generation = models.PositiveIntegerField(default=1)
+    preflight_at = models.DateTimeField(null=True, blank=True)
+    bootstrap_keys = models.JSONField(default=list, blank=True, help_text="bootstrap keys done in this generation")
+    reprovision_count = models.PositiveIntegerField(default=0)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True, default="")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["key"]
+        indexes = [models.Index(fields=["system_owned", "status"], name="worker_session_owned_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.key} (gen {self.generation}, {self.status})"

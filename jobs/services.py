@@ -150,12 +150,14 @@ def _waiting_depth(**filters) -> int:
 
 
 def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session_id: str = "", thread_id: str = "",
-                run_id: int | None = None, priority: int | None = None, actor=None) -> EnqueueResult:
+                run_id: int | None = None, priority: int | None = None, not_before=None,
+                actor=None) -> EnqueueResult:
     """Queue a job of a registered type (received → queued) and wake a worker after commit.
 
     Dedupe is enforced by a unique constraint over active jobs: ``single_flight`` returns the
     existing job (``already_queued``), ``drop_duplicate`` drops the new one (``dropped``),
-    ``merge_duplicate`` merges the payload into a waiting job (``merged``). Caps raise
+    ``merge_duplicate`` merges the payload into a waiting job (``merged``). ``not_before``
+    delays the job (a queued job is claimable once it has passed). Caps raise
     ``QueueFull`` with a retry hint. Invalid input raises ``ValidationFailed``; nothing is written.
     """
     if not settings.ORCHESTRATOR_QUEUE_ENABLED:
@@ -194,6 +196,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             deadline_at=now + timedelta(milliseconds=definition.deadline_ms) if definition.deadline_ms else None,
         )
         job.queued_at = now
+        job.not_before = not_before
         job.to_queued()  # received → queued, checked by the FSM; the row is inserted once, queued
         try:
             if active_key:
@@ -495,7 +498,7 @@ def jobs_recover_expired(*, now=None) -> int:
                 if definition is not None:
                     _after_commit_hook(definition, "on_failed", job)
             else:
-                job.not_before = now
+                job.not_before = timezone.now()  # eligible again at once
                 _move(job, JobState.AWAITING_TOOL, reason=JobReason.LEASE_EXPIRED)
             count += 1
     return count

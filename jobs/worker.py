@@ -26,6 +26,9 @@ logger = logging.getLogger("orchestrator.jobs")
 
 # Extra periodic work of other apps (the run reaper registers here); each takes ``now``.
 MAINTENANCE_HOOKS: list[Callable] = []
+# Called every second with the job this process executes (``job_id``, ``run_id``): the runs
+# app records its run heartbeat here.
+HEARTBEAT_HOOKS: list[Callable] = []
 
 _started = threading.Event()
 _started_at = None
@@ -74,6 +77,8 @@ def beat() -> None:
                              "started_at": _started_at or now})
     if job_id:
         job_renew_lease(job_id=job_id, worker=CURRENT.get("worker") or me)
+        for hook in HEARTBEAT_HOOKS:
+            hook(job_id=job_id, run_id=CURRENT.get("run_id"))
     close_old_connections()
 
 

@@ -121,7 +121,10 @@ else:
                 "timeout": env_int("ORCHESTRATOR_SQLITE_BUSY_TIMEOUT_S", 30),
                 "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
             },
-            "TEST": {"NAME": os.environ.get("ORCHESTRATOR_SQLITE_TEST_PATH") or None},
+            # A file, not memory: tests start real worker processes that share the database.
+            # One file per test session, so concurrent sessions never share it.
+            "TEST": {"NAME": env_str("ORCHESTRATOR_SQLITE_TEST_PATH",
+                                     str(SQLITE_PATH.parent / f"test_db_{os.getpid()}.sqlite3"))},
         }
     }
 

@@ -4,3 +4,15 @@ from django.apps import AppConfig
 class RunsConfig(AppConfig):
     name = "runs"
     verbose_name = "Runs"
+
+    def ready(self):
+        from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
+        from runs import execution, services
+        from runs.reaper import run_heartbeat_hook, runs_reap
+
+        if execution.run_dispatch not in services.RUN_DISPATCHERS:
+            services.RUN_DISPATCHERS.append(execution.run_dispatch)
+        if runs_reap not in MAINTENANCE_HOOKS:
+            MAINTENANCE_HOOKS.append(runs_reap)
+        if run_heartbeat_hook not in HEARTBEAT_HOOKS:
+            HEARTBEAT_HOOKS.append(run_heartbeat_hook)

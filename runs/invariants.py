@@ -131,9 +131,11 @@ def check_hierarchy() -> list[Violation]:
         .annotate(n=Count("id")).values_list("run_id", "n")
     )
     for run in Run.objects.exclude(status__in=[Run.Status.CREATED, Run.Status.PENDING, Run.Status.RETRYING,
-                                               Run.Status.CANCELLED, Run.Status.FAILED]).only("id", "plan"):
+                                               Run.Status.CANCELLED, Run.Status.FAILED]).only("id", "plan",
+                                                                                              "replan_count"):
         expected = len(run.plan.get("agents", [])) if isinstance(run.plan, dict) else 0
-        if agent_counts.get(run.pk, 0) != expected:
+        found = agent_counts.get(run.pk, 0)
+        if found != expected and not (run.replan_count and found > expected):  # a re-plan adds agents
             violations.append(Violation("hierarchy", f"run {run.pk}: {agent_counts.get(run.pk, 0)} agents in its "
                                                      f"current attempt, the plan has {expected}"))
     return violations

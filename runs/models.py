@@ -378,3 +378,85 @@ class Artifact(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} of run {self.run_id}"
+
+
+class EscalationTicket(models.Model):
+    """A run handed to a human (seed 001 §6.2): open → acknowledged → resolved."""
+
+    class Status(models.TextChoices):
+        OPEN = "open", "Open"
+        ACKNOWLEDGED = "acknowledged", "Acknowledged"
+        RESOLVED = "resolved", "Resolved"
+
+    class Trigger(models.TextChoices):
+        ERROR_BURST = "error_burst", "More than 5 errors in 5 minutes"
+        ERROR_RATE = "error_rate", "Error rate above 50 %"
+        BACKOFF_CAP = "backoff_cap", "Backoff past its cap"
+        RETRIES_EXHAUSTED = "retries_exhausted", "Retryable errors exhausted their attempts"
+        MANUAL = "manual", "Escalated by an operator"
+        CAP = "stop_and_escalate", "A time cap was passed"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="escalations")
+    organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="+")
+    status = FSMField(max_length=16, choices=Status.choices, default=Status.OPEN, protected=True, db_index=True)
+    trigger = models.CharField(max_length=32, choices=Trigger.choices)
+    severity = models.CharField(max_length=16, default="high")
+    detail = models.TextField()
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    acknowledged_at = models.DateTimeField(null=True, blank=True)
+    acknowledged_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                        related_name="+")
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    resolved_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                    related_name="+")
+    resolution = models.TextField(blank=True, default="")
+
+    class Meta:
+        ordering = ["-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "trigger"], condition=~models.Q(status="resolved"),
+                                    name="escalation_one_unresolved_per_trigger"),
+        ]
+        permissions = [("manage_escalation", "Can acknowledge and resolve escalations")]
+
+    def __str__(self) -> str:
+        return f"escalation {self.pk} of run {self.run_id} ({self.trigger}, {self.status})"
+
+    @transition(field=status, source=Status.OPEN, target=Status.ACKNOWLEDGED)
+    def acknowledge(self):
+        pass
+
+    @transition(field=status, source=[Status.OPEN, Status.ACKNOWLEDGED], target=Status.RESOLVED)
+    def resolve(self):
+        pass
+
+
+class ApprovalRequest(models.Model):
+    """A sovereign gate waiting for a human: the run pauses until an approval names the gate
+    and an approval reference that no other run or gate has used."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        APPROVED = "approved", "Approved"
+        VOIDED = "voided", "Voided"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approval_requests")
+    attempt_number = models.PositiveIntegerField()
+    gate = models.CharField(max_length=200)
+    step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="approval_requests")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING, db_index=True)
+    asked = models.JSONField(default=dict, blank=True, help_text="what the approver is asked, and the pins then")
+    requested_at = models.DateTimeField(auto_now_add=True)
+    approval_ref = models.CharField(max_length=300, null=True, blank=True, unique=True)
+    approved_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                    related_name="+")
+    approved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run_id", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "attempt_number", "gate"], name="approval_one_per_gate_attempt"),
+        ]
+
+    def __str__(self) -> str:
+        return f"approval {self.gate} of run {self.run_id} ({self.status})"

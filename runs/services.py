@@ -223,7 +223,7 @@ def _discard_open_attempts(run: Run, steps_qs) -> None:
 
 
 def _terminate_live_nodes(run: Run, *, attempt_number: int) -> None:
-    """End every live agent, task and step of an attempt: not started → skipped, else cancelled."""
+    """End every live agent, task and step of an attempt (→ cancelled) and discard open attempts."""
     for model in (Step, Task, Agent):
         filters = {"run": run, "status__in": LIVE_NODE_STATES}
         if model is Agent:
@@ -241,9 +241,12 @@ def _spawn_hierarchy(run: Run) -> int:
     """Create the agents, tasks and steps of the current attempt from the plan (once)."""
     if Agent.objects.filter(run=run, attempt_number=run.attempt_number).exists():
         return 0
-    plan = run.plan
+    return _spawn_agents(run, run.plan["agents"])
+
+
+def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0) -> int:
     count = 0
-    for a_seq, agent_spec in enumerate(plan["agents"]):
+    for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence):
         agent = Agent.objects.create(
             run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
             failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
@@ -354,7 +357,14 @@ def run_mark_running(*, run_id: int) -> Run:
     run.status_reason = ""
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
-        _settle_run_if_done(run)
+        # An agent that failed while the run was paused fails the run now (unless it continues).
+        failed = (Agent.objects.filter(run=run, attempt_number=run.attempt_number, status=NodeStatus.FAILED)
+                  .order_by("finished_at", "pk").first())
+        if failed is not None and run.failure_mode != FailureMode.CONTINUE:
+            _run_after_agent_failed(run, code=failed.last_error_code or "agent_failed",
+                                    message=f"agent {failed.name}: {failed.last_error}")
+        else:
+            _settle_run_if_done(run)
     return run
 
 
@@ -683,7 +693,8 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """What happened to a step attempt: ``completed``, ``retry`` (with delay), ``failed`` or ``discarded``."""
+    """What happened to a step attempt: ``completed``, ``retry`` (with delay), ``failed``, ``discarded``
+    (a late result: nothing recorded, nothing charged) or ``replayed`` (already recorded once)."""
 
     decision: str
     step_id: int
@@ -742,6 +753,13 @@ def _attempt_is_current(run: Run, attempt: StepAttempt, step: Step) -> bool:
             and step.task.agent.attempt_number == run.attempt_number)
 
 
+def _outcome_of_settled(attempt: StepAttempt, step: Step) -> StepOutcome:
+    """A result for an attempt already settled: discarded stays discarded, anything else is a replay."""
+    if attempt.outcome == StepAttempt.Outcome.DISCARDED:
+        return StepOutcome("discarded", step.pk)
+    return StepOutcome("replayed", step.pk)
+
+
 def _discard(attempt: StepAttempt) -> None:
     if attempt.outcome == StepAttempt.Outcome.RUNNING:
         attempt.outcome = StepAttempt.Outcome.DISCARDED
@@ -763,7 +781,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     """
     run, attempt, step = _load_attempt(attempt_id)
     if attempt.outcome != StepAttempt.Outcome.RUNNING:
-        return StepOutcome("replayed", step.pk)
+        return _outcome_of_settled(attempt, step)
     if not _attempt_is_current(run, attempt, step):
         _discard(attempt)
         return StepOutcome("discarded", step.pk)
@@ -794,12 +812,31 @@ def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bo
     """
     run, attempt, step = _load_attempt(attempt_id)
     if attempt.outcome != StepAttempt.Outcome.RUNNING:
-        return StepOutcome("replayed", step.pk)
+        return _outcome_of_settled(attempt, step)
     if not _attempt_is_current(run, attempt, step):
         _discard(attempt)
         return StepOutcome("discarded", step.pk)
     return _attempt_failed(run, attempt, step, code=code or "error", message=message or code, retryable=retryable,
                            charge=True)
+
+
+@transaction.atomic
+def step_attempt_abandon(*, attempt_id: int) -> StepOutcome:
+    """Drop an attempt interrupted by pause or cancel (or a gate waiting for approval): nothing is
+    charged, the try is not counted; a step still running goes back to pending (paused when the
+    run is paused) and runs again with a new attempt later."""
+    run, attempt, step = _load_attempt(attempt_id)
+    if attempt.outcome != StepAttempt.Outcome.RUNNING:
+        return _outcome_of_settled(attempt, step)
+    _discard(attempt)
+    if step.attempts == attempt.number and step.status in (NodeStatus.RUNNING, NodeStatus.PAUSED):
+        step.tries_this_round = max(0, step.tries_this_round - 1)
+        step.not_before = None
+        paused = step.status == NodeStatus.PAUSED or run.status == Run.Status.PAUSED
+        _node_move(step, "reset", run=run, emit=False)
+        if paused:
+            _node_move(step, "pause", run=run, emit=False)
+    return StepOutcome("discarded", step.pk)
 
 
 def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, message: str, retryable: bool,
@@ -821,6 +858,11 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     step.last_error_code, step.last_error = code, message
     if cost:
         run.save(update_fields=["credits_charged", "updated_at"])
+    from runs.escalations import escalations_evaluate
+
+    uncapped = STEP_BACKOFF_BASE_MS * (2 ** max(0, step.tries_this_round - 1)) if retryable else None
+    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=STEP_BACKOFF_CAP_MS,
+                         retries_exhausted=retryable and step.tries_this_round >= step.max_tries)
     if retryable and step.tries_this_round < step.max_tries:
         delay = step_backoff_ms(step.tries_this_round)
         step.not_before = timezone.now() + timedelta(milliseconds=delay)
@@ -849,14 +891,18 @@ def _reset_steps(run: Run, task: Task) -> None:
 def _after_step_failed(run: Run, step: Step) -> None:
     task = Task.objects.select_related("agent").get(pk=step.task_id)
     error = (step.last_error_code, f"step {step.name}: {step.last_error}")
+    # Seed 001 §3.4 rule 3: levels retry transient failures only (a retryable error that
+    # exhausted the step's tries), never a fatal one or an exceeded credit limit.
+    transient = StepAttempt.objects.filter(step=step).order_by("-number").values_list(
+        "retryable", flat=True).first() is True
     if task.failure_mode == FailureMode.CONTINUE:
         _after_step_done(run, task)
-    elif task.failure_mode == FailureMode.RETRY and task.retry_count < MAX_RETRIES_PER_LEVEL:
+    elif task.failure_mode == FailureMode.RETRY and transient and task.retry_count < MAX_RETRIES_PER_LEVEL:
         task.retry_count += 1
         _reset_steps(run, task)
         _node_move(task, "reset", run=run)
     else:
-        _task_failed(run, task, error)
+        _task_failed(run, task, error, transient=transient)
 
 
 def _end_children(run: Run, nodes) -> None:
@@ -868,7 +914,7 @@ def _end_children(run: Run, nodes) -> None:
             _node_move(node, "cancel", run=run, emit=False)
 
 
-def _task_failed(run: Run, task: Task, error: tuple[str, str]) -> None:
+def _task_failed(run: Run, task: Task, error: tuple[str, str], *, transient: bool = False) -> None:
     steps = Step.objects.filter(task=task, status__in=LIVE_NODE_STATES)
     _discard_open_attempts(run, steps)
     _end_children(run, steps)
@@ -877,7 +923,7 @@ def _task_failed(run: Run, task: Task, error: tuple[str, str]) -> None:
     error = (error[0], f"task {task.name}: {error[1]}")
     if agent.failure_mode == FailureMode.CONTINUE:
         _settle_agent_if_done(run, agent)
-    elif agent.failure_mode == FailureMode.RETRY and agent.retry_count < MAX_RETRIES_PER_LEVEL:
+    elif agent.failure_mode == FailureMode.RETRY and transient and agent.retry_count < MAX_RETRIES_PER_LEVEL:
         agent.retry_count += 1
         for sibling in Task.objects.filter(agent=agent):
             _reset_steps(run, sibling)
@@ -885,24 +931,56 @@ def _task_failed(run: Run, task: Task, error: tuple[str, str]) -> None:
             _node_move(sibling, "reset", run=run, emit=False)
         _node_move(agent, "reset", run=run)
     else:
-        _agent_failed(run, agent, error)
+        _agent_failed(run, agent, error, transient=transient)
 
 
-def _agent_failed(run: Run, agent: Agent, error: tuple[str, str]) -> None:
+def _agent_failed(run: Run, agent: Agent, error: tuple[str, str], *, transient: bool = False) -> None:
     tasks = Task.objects.filter(agent=agent, status__in=LIVE_NODE_STATES)
     steps = Step.objects.filter(task__agent=agent, status__in=LIVE_NODE_STATES)
     _discard_open_attempts(run, steps)
     _end_children(run, steps)
     _end_children(run, tasks)
     _node_move(agent, "fail", run=run, error=error)
-    code, message = error[0], f"agent {agent.name}: {error[1]}"
+    if _replan(run):
+        return
+    _run_after_agent_failed(run, code=error[0], message=f"agent {agent.name}: {error[1]}", transient=transient)
+
+
+def _replan(run: Run) -> bool:
+    """Seed 001 §6.4: on significant failure let the planner add a new decomposition of the
+    failed work to the current attempt (at most ``MAX_REPLANS`` times). True when it did."""
+    from runs.planner import MAX_REPLANS, PLANNER, replan_needed
+
+    if run.status != Run.Status.RUNNING or run.replan_count >= MAX_REPLANS or not replan_needed(run):
+        return False
+    failed = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number, status=NodeStatus.FAILED))
+    specs = PLANNER.replan(run, failed)
+    if not specs:
+        return False
+    next_sequence = Agent.objects.filter(run=run, attempt_number=run.attempt_number).count()
+    _spawn_agents(run, specs, first_sequence=next_sequence)
+    run.replan_count += 1
+    run.save(update_fields=["replan_count", "updated_at"])
+    event_record(type="run_replanned", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                 payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
+                          "new_agents": [spec["name"] for spec in specs]})
+    transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
+                   **{"from": run.status, "to": run.status}, reason=f"replan {run.replan_count}")
+    return True
+
+
+def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: bool = False) -> None:
+    """Apply the run's failure mode to a failed agent. A paused run cannot fail: ``run_mark_running``
+    applies it when the run resumes. Automatic run retries stop after ``MAX_RETRIES_PER_LEVEL``.
+    """
     if run.failure_mode == FailureMode.CONTINUE:
         _settle_run_if_done(run)
         return
     if run.status not in (Run.Status.RUNNING,):
         return
     _fail_locked(run, code=code, message=message)
-    if run.failure_mode == FailureMode.RETRY and run.has_attempts_left():
+    if (run.failure_mode == FailureMode.RETRY and transient and run.has_attempts_left()
+            and run.attempt_number <= MAX_RETRIES_PER_LEVEL):
         try:
             with transaction.atomic():
                 _retry_locked(run, reason=f"automatic retry after {code}")

@@ -9,6 +9,7 @@ import os
 from django.contrib.auth import get_user_model
 from django.db import transaction
 
+from billing.selectors import account_balance
 from billing.services import account_topup, organization_create
 from core.management.base import RunbookCommand
 from core.models import Organization, Project
@@ -60,8 +61,9 @@ class Command(RunbookCommand):
             organization.memberships.create(user=operator, role="owner")
         if not Project.objects.filter(organization=organization, name="research").exists():
             project_create(organization=organization, name="research", actor=operator)
-        account = organization.credit_account
-        if account.available < 1000:
+        # Read the balance afresh: ``organization.credit_account`` may be the instance cached when
+        # the account was opened, from before the initial top-up.
+        if account_balance(organization_id=organization.pk)["available"] < 1000:
             account_topup(organization_id=organization.pk, amount=options["credits"], reason="demo top-up",
                           actor=operator)
         project = Project.objects.get(organization=organization, name="default")

@@ -1,0 +1,241 @@
+"""``command_execute``: the one path by which a side effect reaches an ``ExecutionAdapter``.
+
+Guarantees (seed 000, AG-EXE-01):
+
+* the command is recorded — kind, idempotency key, payload hash, ``recorded`` — and
+  **committed** before the adapter (or the tool) is called, so it must not be called inside a
+  transaction (a durable block enforces it);
+* a replay with the same key and payload returns the recorded result (or the recorded final
+  failure) without calling anything;
+* a command recorded but never finished (its worker died, or a retryable error) is executed
+  again with the same key: the adapter is idempotent by key, so the effect happens once;
+* the same key with another payload raises ``CommandConflict`` (409 ``command_conflict``);
+* every recorded command writes ``command_recorded`` then ``command_succeeded`` or
+  ``command_failed`` events (``final`` says whether a failed command may be replayed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from core.errors import CommandConflict, DomainError, ValidationFailed
+from core.models import Project
+from core.services import actor_label, audit_record, event_record, transition_log
+from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
+from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
+from jobs.models import CommandKind, CommandRecord, CommandStatus
+from jobs.registry import JobCancelled, JobTimeout, classify_default
+
+logger = logging.getLogger("orchestrator.commands")
+
+# Interruptions of the worker, not outcomes of the command: the record stays ``recorded``.
+INTERRUPTIONS = (JobTimeout, JobCancelled)
+
+
+class CommandFailed(DomainError):
+    """The adapter or tool failed the command. ``retryable`` failures leave it replayable."""
+
+    code = "command_failed"
+    status = 422
+
+    def __init__(self, detail: str, *, reason: str, retryable: bool, command_id: int | None = None) -> None:
+        super().__init__(detail, reason=reason, retryable=retryable, command_id=command_id)
+        self.reason = reason
+        self.retryable = retryable  # read by jobs.registry.classify_default
+        if retryable:
+            self.status = 503
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    command: CommandRecord
+    result: Any
+    replayed: bool  # True: answered from the record, nothing was called
+
+
+def command_as_dict(record: CommandRecord) -> dict[str, Any]:
+    """A command in event and API form (without its result)."""
+    return {
+        "commandId": record.pk,
+        "projectId": record.project_id,
+        "kind": record.kind,
+        "idempotencyKey": record.idempotency_key,
+        "payloadHash": record.payload_hash,
+        "status": record.status,
+        "attempts": record.attempts,
+        "errorCode": record.error_code or None,
+        "error": record.error or None,
+        "createdAt": record.created_at.isoformat() if record.created_at else None,
+        "completedAt": record.completed_at.isoformat() if record.completed_at else None,
+    }
+
+
+def _emit(record: CommandRecord, event_type: str, organization_id: int, extra: dict | None = None) -> None:
+    payload = command_as_dict(record)
+    payload.update(extra or {})
+    event_record(type=event_type, organization_id=organization_id, project_id=record.project_id, payload=payload)
+
+
+def _locked(project: Project, kind: str, key: str) -> CommandRecord | None:
+    return (CommandRecord.objects.select_for_update()
+            .filter(project=project, kind=kind, idempotency_key=key).first())
+
+
+def command_execute(*, project: Project, kind: str, args: dict, idempotency_key: str, actor=None,
+                    adapter: ExecutionAdapter | None = None,
+                    should_stop: Callable[[], bool] | None = None, attempt: int | None = None) -> CommandResult:
+    """Execute command ``kind`` at most once per ``(project, kind, idempotency_key)``.
+
+    Raises ``ValidationFailed`` (nothing recorded), ``CommandConflict`` (same key, other
+    payload), ``CommandFailed`` (the adapter or tool failed; ``retryable`` tells whether a
+    replay will try again). ``should_stop`` is handed to tools as their cancellation check;
+    ``attempt`` is the caller's own attempt number a tool sees (default: the record's calls).
+    """
+    key_errors = idempotency_key_errors(idempotency_key)
+    if key_errors:
+        raise ValidationFailed("invalid command", errors={"idempotency_key": key_errors})
+    normalized = command_args_validate(kind, args)
+    digest = payload_hash(normalized)
+    record, execute = _command_record(project=project, kind=kind, key=idempotency_key, args=normalized,
+                                      digest=digest, actor=actor)
+    if not execute:
+        return _replayed(record)
+    try:
+        if kind == CommandKind.INVOKE_TOOL:
+            result = _tool_invoke(normalized, key=idempotency_key, attempt=attempt or record.attempts,
+                                  should_stop=should_stop)
+        else:
+            operation = getattr(adapter or adapter_get(), kind)
+            result = operation(project_id=project.pk, idempotency_key=idempotency_key, **normalized)
+    except INTERRUPTIONS:
+        raise
+    except Exception as exc:
+        retryable, code, message = _classify(kind, exc)
+        record = _command_fail(record_id=record.pk, organization_id=project.organization_id, code=code,
+                               message=message, final=not retryable)
+        if record.status == CommandStatus.SUCCEEDED:  # a concurrent replay finished it meanwhile
+            return CommandResult(record, record.result, replayed=True)
+        raise CommandFailed(message, reason=code, retryable=retryable, command_id=record.pk) from exc
+    record = _command_succeed(record_id=record.pk, organization_id=project.organization_id, result=_jsonable(result))
+    return CommandResult(record, record.result, replayed=False)
+
+
+def _replayed(record: CommandRecord) -> CommandResult:
+    if record.status == CommandStatus.SUCCEEDED:
+        return CommandResult(record, record.result, replayed=True)
+    raise CommandFailed(record.error or "the command failed", reason=record.error_code or "command_failed",
+                        retryable=False, command_id=record.pk)
+
+
+def _command_record(*, project: Project, kind: str, key: str, args: dict, digest: str,
+                    actor) -> tuple[CommandRecord, bool]:
+    """Record (or find) the command and commit; True when it must be executed now."""
+    with transaction.atomic(durable=True):
+        record = _locked(project, kind, key)
+        created = False
+        if record is None:
+            try:
+                with transaction.atomic():
+                    record = CommandRecord.objects.create(
+                        project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
+                        actor_label=actor_label(actor))
+                created = True
+            except IntegrityError:
+                record = _locked(project, kind, key)  # a concurrent recorder committed it first
+                if record is None:
+                    raise
+        if record.payload_hash != digest:
+            logger.warning("command conflict: %s %r recorded with hash %s, replayed with %s", kind, key,
+                           record.payload_hash, digest)
+            raise CommandConflict(
+                f"idempotency key {key!r} of command {kind} was recorded with another payload",
+                kind=kind, idempotency_key=key, command_id=record.pk)
+        if record.status != CommandStatus.RECORDED:
+            return record, False
+        record.attempts += 1
+        record.save(update_fields=["attempts", "updated_at"])
+        if created:
+            _emit(record, "command_recorded", project.organization_id)
+            if actor is not None:
+                audit_record(actor=actor, action="command_execute", target_type="command", target_id=record.pk,
+                             organization_id=project.organization_id,
+                             after={"kind": kind, "idempotencyKey": key, "payloadHash": digest})
+        transition_log(entity="command", id=record.pk, project=project.pk, kind=kind, attempt=record.attempts,
+                       **{"from": "new" if created else record.status, "to": record.status})
+        return record, True
+
+
+def _command_succeed(*, record_id: int, organization_id: int, result: Any) -> CommandRecord:
+    with transaction.atomic(durable=True):
+        record = CommandRecord.objects.select_for_update().get(pk=record_id)
+        if record.status == CommandStatus.SUCCEEDED:
+            return record  # a concurrent replay stored its result first; the first result stands
+        before = record.status
+        record.status = CommandStatus.SUCCEEDED
+        record.result = result
+        record.error = ""
+        record.error_code = ""
+        record.completed_at = timezone.now()
+        record.save()
+        _emit(record, "command_succeeded", organization_id)
+        transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
+                       attempt=record.attempts, **{"from": before, "to": record.status})
+        return record
+
+
+def _command_fail(*, record_id: int, organization_id: int, code: str, message: str, final: bool) -> CommandRecord:
+    with transaction.atomic(durable=True):
+        record = CommandRecord.objects.select_for_update().get(pk=record_id)
+        if record.status == CommandStatus.SUCCEEDED:
+            return record
+        before = record.status
+        record.error = message
+        record.error_code = code[:64]
+        if final:
+            record.status = CommandStatus.FAILED
+            record.completed_at = timezone.now()
+        record.save()
+        _emit(record, "command_failed", organization_id, {"final": final, "retryable": not final})
+        transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
+                       attempt=record.attempts, **{"from": before, "to": record.status}, reason=code)
+        return record
+
+
+def _classify(kind: str, exc: BaseException) -> tuple[bool, str, str]:
+    """``(retryable, code, message)`` of an adapter or tool exception."""
+    if isinstance(exc, AdapterError):
+        return exc.retryable, exc.code, str(exc)
+    if kind == CommandKind.INVOKE_TOOL:
+        from runs.tools import classify_exception
+
+        return classify_exception(exc)
+    retryable = classify_default(exc) == "retryable"
+    return retryable, "retryable_error" if retryable else "fatal_error", f"{type(exc).__name__}: {exc}"
+
+
+def _tool_invoke(args: dict, *, key: str, attempt: int, should_stop: Callable[[], bool] | None) -> Any:
+    """Run a registered tool with the command's idempotency key (the tool must honour it)."""
+    from runs.tools import ToolCancelled, ToolContext, tool_get
+
+    tool = tool_get(args["tool"])
+    if tool is None:
+        raise AdapterError(f"tool {args['tool']!r} is not registered", code="unknown_tool")
+    context = ToolContext(idempotency_key=key, attempt=attempt, should_stop=should_stop or (lambda: False))
+    try:
+        return tool.func(args["args"], context)
+    except ToolCancelled as exc:
+        raise JobCancelled(str(exc)) from exc
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+        return value
+    except (TypeError, ValueError):
+        return {"repr": repr(value)}

@@ -1,0 +1,170 @@
+"""Runs made of jobs.
+
+``run_tick`` (lane ``run:<id>``, so one per run at a time) moves a run along: retrying →
+pending → running (spawning its agents), resuming → running, then enqueues a ``run_step``
+job for every step that may start now. ``run_step`` executes one step attempt: the tool is
+invoked through the execution command layer with the attempt's idempotency key (run,
+attempt, step, try), so a replayed step never repeats its side effect; the outcome is
+recorded by the run services (charge, retry with backoff, propagation), then the run is
+ticked again. Both are idempotent: a tick or a step for a run that moved on does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+from django.db.models import Min
+from django.utils import timezone
+
+from core.errors import CommandConflict, InvalidTransition, NotFound, ValidationFailed
+from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register
+from jobs.services import job_enqueue
+from runs import services
+from runs.models import NodeStatus, Run, Step
+from runs.tools import tool_get
+
+logger = logging.getLogger("orchestrator.runs")
+
+STEP_JOB_TIMEOUT_S = 300
+
+
+def run_lane(run_id: int) -> str:
+    return f"run:{run_id}"
+
+
+def _positive_int(payload: dict, key: str, errors: dict) -> None:
+    value = payload.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        errors[f"payload.{key}"] = ["a positive integer"]
+
+
+def _validate_tick(payload: dict) -> dict:
+    errors: dict = {}
+    _positive_int(payload, "run", errors)
+    if errors:
+        raise ValidationFailed("invalid payload", errors=errors)
+    return payload
+
+
+def _validate_step(payload: dict) -> dict:
+    errors: dict = {}
+    for key in ("run", "step"):
+        _positive_int(payload, key, errors)
+    if not isinstance(payload.get("round"), int) or isinstance(payload.get("round"), bool):
+        errors["payload.round"] = ["an integer"]
+    if errors:
+        raise ValidationFailed("invalid payload", errors=errors)
+    return payload
+
+
+def run_dispatch(run_id: int, *, not_before=None) -> None:
+    """Ask a worker to look at the run (a ``run_tick`` job), now or at ``not_before``."""
+    run = Run.objects.filter(pk=run_id).only("pk", "project_id", "organization_id", "priority").first()
+    if run is None:
+        return
+    from core.models import Project
+
+    job_enqueue(job_type="run_tick", project=Project(pk=run.project_id, organization_id=run.organization_id),
+                payload={"run": run_id}, run_id=run_id, priority=run.priority, not_before=not_before)
+
+
+def _tick(ctx, payload: dict) -> dict:
+    run_id = payload["run"]
+    run = Run.objects.filter(pk=run_id).first()
+    if run is None:
+        return {"run": run_id, "missing": True}
+    if run.status == Run.Status.RETRYING:
+        run = services.run_requeue(run_id=run_id)
+    if run.status in (Run.Status.PENDING, Run.Status.RESUMING):
+        run = services.run_mark_running(run_id=run_id)
+    run.refresh_from_db()
+    if run.status != Run.Status.RUNNING:
+        return {"run": run_id, "status": run.status}
+    services.run_heartbeat(run_id=run_id)
+    steps = services.runnable_steps(run)
+    for step in steps:
+        job_enqueue(job_type="run_step", project=run.project, run_id=run_id, priority=run.priority,
+                    payload={"run": run_id, "step": step.pk, "round": step.attempts})
+    if not steps:
+        current = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
+        if not current.filter(status=NodeStatus.RUNNING).exists():
+            wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=timezone.now()).aggregate(
+                at=Min("not_before"))["at"]
+            if wake_at is not None:
+                run_dispatch(run_id, not_before=wake_at)
+    return {"run": run_id, "status": run.status, "steps": [step.pk for step in steps]}
+
+
+def _step(ctx, payload: dict) -> dict:
+    run_id, step_id = payload["run"], payload["step"]
+    try:
+        attempt = services.step_begin(step_id=step_id)
+    except (InvalidTransition, NotFound) as exc:
+        return {"step": step_id, "skipped": getattr(exc, "detail", str(exc))}
+    step = Step.objects.select_related("run__project").get(pk=step_id)
+    outcome = _execute_attempt(ctx, step, attempt)
+    not_before = None
+    if outcome.decision == "retry":
+        not_before = timezone.now() + timedelta(milliseconds=outcome.delay_ms)
+    run_dispatch(run_id, not_before=not_before)
+    return {"step": step_id, "attempt": attempt.number, "decision": outcome.decision,
+            "error": outcome.error_code or None}
+
+
+def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
+    from jobs.commands.services import CommandFailed, command_execute
+    from jobs.executor import time_limit
+
+    run = step.run
+    if step.kind != Step.Kind.TOOL:
+        from runs.gates import gate_execute
+
+        return gate_execute(step=step, attempt=attempt)
+    tool = tool_get(step.tool)
+    if tool is None:
+        return services.step_attempt_fail(attempt_id=attempt.pk, code="unknown_tool",
+                                          message=f"tool {step.tool!r} is not registered", retryable=False)
+    last = {"at": 0.0, "stop": False}
+
+    def should_stop() -> bool:
+        now = time.monotonic()
+        if not last["stop"] and now - last["at"] >= 0.1:
+            last["at"] = now
+            status = Run.objects.filter(pk=run.pk).values_list("status", flat=True).first()
+            last["stop"] = status != Run.Status.RUNNING or ctx.should_stop()
+        return last["stop"]
+
+    try:
+        with time_limit(tool.timeout_s):
+            result = command_execute(project=run.project, kind="invoke_tool",
+                                     args={"tool": step.tool, "args": step.args},
+                                     idempotency_key=attempt.idempotency_key, should_stop=should_stop,
+                                     attempt=attempt.number)
+    except JobCancelled:
+        return services.step_attempt_abandon(attempt_id=attempt.pk)
+    except JobTimeout as exc:
+        return services.step_attempt_fail(attempt_id=attempt.pk, code="tool_timeout",
+                                          message=f"{step.tool}: {exc}", retryable=True)
+    except CommandFailed as exc:
+        return services.step_attempt_fail(attempt_id=attempt.pk, code=exc.reason, message=exc.detail,
+                                          retryable=exc.retryable)
+    except (CommandConflict, ValidationFailed) as exc:
+        return services.step_attempt_fail(attempt_id=attempt.pk, code=exc.code, message=exc.detail,
+                                          retryable=False)
+    return services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result)
+
+
+RUN_TICK = register(JobDefinition(
+    type="run_tick", run=_tick, validate=_validate_tick, priority_class="interactive",
+    lane=lambda payload, project_id: run_lane(payload["run"]),
+    retry=RetryPolicy(max_attempts=5, base_delay_ms=200), timeout_s=60,
+))
+
+RUN_STEP = register(JobDefinition(
+    type="run_step", run=_step, validate=_validate_step, priority_class="interactive",
+    lane=lambda payload, project_id: "",
+    dedupe=Dedupe("drop_duplicate", key=lambda payload, project_id: f"{payload['step']}:{payload['round']}"),
+    retry=RetryPolicy(max_attempts=3, base_delay_ms=200), timeout_s=STEP_JOB_TIMEOUT_S,
+))

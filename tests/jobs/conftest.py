@@ -1,0 +1,24 @@
+import pytest
+
+from jobs import registry
+
+
+@pytest.fixture
+def define_job():
+    """Register job definitions for one test and remove them afterwards."""
+    added: list[str] = []
+
+    def define(**kwargs):
+        definition = registry.register(registry.JobDefinition(**kwargs))
+        added.append(definition.type)
+        return definition
+
+    yield define
+    for job_type in added:
+        registry._REGISTRY.pop(job_type, None)
+
+
+@pytest.fixture(autouse=True)
+def no_wake_messages(monkeypatch):
+    """In-process tests claim jobs themselves; no django-q2 message is needed."""
+    monkeypatch.setattr("jobs.wake._send", lambda count: None)

@@ -1,0 +1,390 @@
+"""Scheduling, dedupe, caps, retries, cancellation, deadlines and recovery, in-process."""
+
+from datetime import timedelta
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.utils import timezone
+
+from core.errors import JobConflict, QueueFull, ValidationFailed
+from core.models import Event
+from jobs.apps import check_q_cluster
+from jobs.executor import job_run_claimed
+from jobs.models import Job, JobReason, JobState
+from jobs.registry import Dedupe, FatalJobError, RetryableJobError, RetryPolicy
+from jobs.services import (
+    job_cancel,
+    job_claim,
+    job_complete,
+    job_enqueue,
+    jobs_enforce_deadlines,
+    jobs_enforce_interrupt_timeouts,
+    jobs_recover_expired,
+)
+
+LATER = timedelta(hours=1)
+
+
+def run_next(worker="w1", now=None):
+    job = job_claim(worker=worker, now=now)
+    if job is not None:
+        job_run_claimed(job, worker=worker)
+        job.refresh_from_db()
+    return job
+
+
+def enqueue(project, job_type="noop", **payload):
+    return job_enqueue(job_type=job_type, project=project, payload=payload).job
+
+
+def test_priority_then_fifo(project, define_job):
+    define_job(type="ordered", run=lambda ctx, p: p["n"], lane=lambda p, pid: "")
+    jobs = [job_enqueue(job_type="ordered", project=project, payload={"n": n}, priority=prio).job
+            for n, prio in enumerate([5, 1, 5, 1, 3])]
+    order = [run_next().result for _ in jobs]
+    assert order == [1, 3, 4, 0, 2]
+
+
+def test_interactive_before_background_at_equal_priority(project, define_job):
+    define_job(type="bg", run=lambda ctx, p: "bg", priority_class="background", lane=lambda p, pid: "")
+    define_job(type="fg", run=lambda ctx, p: "fg", priority_class="interactive", lane=lambda p, pid: "")
+    enqueue(project, "bg")
+    enqueue(project, "fg")
+    assert [run_next().result, run_next().result] == ["fg", "bg"]
+
+
+def test_one_executing_job_per_lane(project, define_job):
+    define_job(type="laned", run=lambda ctx, p: None, lane=lambda p, pid: p["lane"])
+    a1 = job_enqueue(job_type="laned", project=project, payload={"lane": "A"}).job
+    job_enqueue(job_type="laned", project=project, payload={"lane": "A"})
+    b1 = job_enqueue(job_type="laned", project=project, payload={"lane": "B"}).job
+    first = job_claim(worker="w1")
+    second = job_claim(worker="w2")
+    assert (first.pk, second.pk) == (a1.pk, b1.pk)  # lane A busy: B's job goes next
+    assert job_claim(worker="w3") is None  # A busy, B busy (and the global cap is 2)
+    assert Job.objects.filter(state=JobState.EXECUTING, lane="A").count() == 1
+
+
+def test_global_concurrency_cap(project, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 2
+    for _ in range(3):
+        enqueue(project)
+    claimed = [job_claim(worker=f"w{i}") for i in range(3)]
+    assert claimed[2] is None and all(claimed[:2])
+    assert sorted(Job.objects.filter(state=JobState.EXECUTING).values_list("slot", flat=True)) == [0, 1]
+    job_complete(job_id=claimed[0].pk, attempt=1, result=None)
+    assert job_claim(worker="w4") is not None
+
+
+def test_aging_lets_a_background_job_through_after_the_burst(project, define_job, settings):
+    settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = 0
+    settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST = 3
+    define_job(type="bg", run=lambda ctx, p: "bg", priority_class="background")
+    define_job(type="fg", run=lambda ctx, p: "fg", priority_class="interactive")
+    enqueue(project, "bg")
+    for _ in range(5):
+        enqueue(project, "fg")
+    order = [run_next().result for _ in range(6)]
+    assert order == ["fg", "fg", "fg", "bg", "fg", "fg"]
+
+
+def test_without_aging_interactive_jobs_all_go_first(project, define_job, settings):
+    settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = 3_600_000
+    define_job(type="bg", run=lambda ctx, p: "bg", priority_class="background")
+    define_job(type="fg", run=lambda ctx, p: "fg", priority_class="interactive")
+    enqueue(project, "bg")
+    for _ in range(4):
+        enqueue(project, "fg")
+    assert [run_next().result for _ in range(5)] == ["fg"] * 4 + ["bg"]
+
+
+def test_caps_answer_queue_full_with_a_retry_hint(org_factory, settings):
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 2
+    settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 3
+    _, first, _ = org_factory()
+    _, second, _ = org_factory()
+    enqueue(first)
+    enqueue(first)
+    with pytest.raises(QueueFull) as per_project:
+        enqueue(first)
+    assert per_project.value.extra["scope"] == "project" and per_project.value.extra["retry_after"] >= 1
+    enqueue(second)
+    with pytest.raises(QueueFull) as global_cap:
+        enqueue(second)
+    assert global_cap.value.extra["scope"] == "global"
+    assert global_cap.value.status == 429
+    assert Job.objects.count() == 3
+
+
+def test_single_flight_returns_the_active_job(project, define_job):
+    define_job(type="suggest", run=lambda ctx, p: "ok", priority_class="interactive",
+               dedupe=Dedupe("single_flight", key=lambda p, pid: f"{pid}:{p['session']}"))
+    first = job_enqueue(job_type="suggest", project=project, payload={"session": "s1"})
+    again = job_enqueue(job_type="suggest", project=project, payload={"session": "s1"})
+    other = job_enqueue(job_type="suggest", project=project, payload={"session": "s2"})
+    assert first.dedupe == "enqueued" and again.dedupe == "already_queued" and other.dedupe == "enqueued"
+    assert again.job.pk == first.job.pk and other.job.pk != first.job.pk
+    run_next()
+    run_next()
+    after = job_enqueue(job_type="suggest", project=project, payload={"session": "s1"})
+    assert after.dedupe == "enqueued" and after.job.pk != first.job.pk
+
+
+def test_drop_and_merge_duplicates(project, define_job):
+    define_job(type="explain", run=lambda ctx, p: p,
+               dedupe=Dedupe("drop_duplicate", key=lambda p, pid: p["item"]))
+    define_job(type="batch", run=lambda ctx, p: sorted(p["items"]),
+               dedupe=Dedupe("merge_duplicate", key=lambda p, pid: "batch",
+                             merge=lambda old, new: {"items": old["items"] + new["items"]}))
+    kept = job_enqueue(job_type="explain", project=project, payload={"item": 1, "text": "a"})
+    dropped = job_enqueue(job_type="explain", project=project, payload={"item": 1, "text": "b"})
+    assert dropped.dedupe == "dropped" and dropped.job.pk == kept.job.pk
+    assert Job.objects.get(pk=kept.job.pk).payload["text"] == "a"
+    job_enqueue(job_type="batch", project=project, payload={"items": [2]})
+    merged = job_enqueue(job_type="batch", project=project, payload={"items": [1]})
+    assert merged.dedupe == "merged"
+    assert Job.objects.filter(type="batch").count() == 1
+    while run_next() is not None:
+        pass
+    assert Job.objects.get(type="batch").result == [1, 2]
+
+
+def test_unknown_type_and_invalid_payload_are_refused_at_enqueue(project):
+    with pytest.raises(ValidationFailed) as unknown:
+        job_enqueue(job_type="ghost", project=project, payload={})
+    assert "type" in unknown.value.errors
+    with pytest.raises(ValidationFailed) as invalid:
+        job_enqueue(job_type="noop", project=project, payload={"sleep": "forever"})
+    assert "payload.sleep" in invalid.value.errors
+    with pytest.raises(ValidationFailed):
+        job_enqueue(job_type="noop", project=project, payload=["not", "an", "object"])
+    assert Job.objects.count() == 0
+
+
+def test_persisted_unknown_or_invalid_payloads_end_failed(project):
+    ghost = Job.objects.create(type="ghost", organization_id=project.organization_id, project=project)
+    bad = Job.objects.create(type="noop", organization_id=project.organization_id, project=project,
+                             payload={"sleep": "x"})
+    for job in (ghost, bad):
+        job.to_queued()
+        job.save()
+    run_next()
+    run_next()
+    for job in (ghost, bad):
+        job.refresh_from_db()
+        assert (job.state, job.reason) == (JobState.FAILED, JobReason.INVALID_PAYLOAD)
+        assert job.error
+
+
+def test_retryable_failure_waits_in_awaiting_tool_then_succeeds(project):
+    job = enqueue(project, "probe", fail="retryable", times=1)
+    run_next()
+    job.refresh_from_db()
+    assert (job.state, job.reason, job.attempts) == (JobState.AWAITING_TOOL, JobReason.RETRY_SCHEDULED, 1)
+    assert job.not_before is not None  # immediate-first linear backoff: the first retry waits 0 ms
+    run_next()
+    job.refresh_from_db()
+    assert (job.state, job.attempts, job.failures) == (JobState.COMPLETED, 2, 1)
+
+
+def test_exponential_backoff_holds_the_job_until_not_before(project, define_job):
+    calls = []
+
+    def flaky(ctx, payload):
+        calls.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise RetryableJobError("transient")
+        return "ok"
+
+    define_job(type="flaky", run=flaky, retry=RetryPolicy(max_attempts=3, base_delay_ms=10_000, jitter=False))
+    job = enqueue(project, "flaky")
+    run_next()
+    job.refresh_from_db()
+    assert job.state == JobState.AWAITING_TOOL
+    assert timedelta(seconds=9) < job.not_before - timezone.now() <= timedelta(seconds=10)
+    assert job_claim(worker="w1") is None
+    run_next(now=timezone.now() + timedelta(seconds=11))
+    job.refresh_from_db()
+    assert job.state == JobState.COMPLETED and calls == [1, 2]
+
+
+def test_backoff_strategies():
+    exponential = RetryPolicy(base_delay_ms=100, max_delay_ms=30_000, jitter=True)
+    for attempt in range(1, 12):
+        base = min(100 * 2 ** (attempt - 1), 30_000)
+        assert base * 0.9 - 1 <= exponential.delay_ms(attempt) <= base * 1.1 + 1
+    linear = RetryPolicy(backoff="immediate_linear", step_ms=60)
+    assert [linear.delay_ms(n) for n in (1, 2, 3, 4)] == [0, 60, 120, 180]
+
+
+@pytest.mark.parametrize("policy, error, reason", [
+    (RetryPolicy(max_attempts=2, backoff="immediate_linear"), RetryableJobError, JobReason.MAX_ATTEMPTS),
+    (RetryPolicy(max_attempts=5, max_failures=2, backoff="immediate_linear"), RetryableJobError,
+     JobReason.MAX_FAILURES),
+    (RetryPolicy(max_attempts=5), FatalJobError, JobReason.FATAL),
+    (RetryPolicy(max_attempts=5), KeyError, JobReason.FATAL),
+])
+def test_budgets_end_failed_with_reason_codes(project, define_job, policy, error, reason):
+    def always(ctx, payload):
+        raise error("boom")
+
+    define_job(type="doomed", run=always, retry=policy)
+    job = enqueue(project, "doomed")
+    while run_next() is not None:
+        pass
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.FAILED, reason)
+    assert "boom" in job.error
+
+
+def test_timeout_is_enforced_and_reported(project, define_job):
+    import time
+
+    define_job(type="slow", run=lambda ctx, p: time.sleep(5), timeout_s=0.2,
+               retry=RetryPolicy(max_attempts=1))
+    job = enqueue(project, "slow")
+    started = time.monotonic()
+    run_next()
+    assert time.monotonic() - started < 2
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.FAILED, JobReason.TIMEOUT)
+
+
+def test_cancel_queued_job_at_once(project):
+    job = enqueue(project)
+    cancelled = job_cancel(job_id=job.pk, reason="not needed")
+    assert (cancelled.state, cancelled.reason, cancelled.cancel_reason) == (
+        JobState.CANCELLED, JobReason.CANCELLED, "not needed")
+    assert job_claim(worker="w1") is None
+    assert job_cancel(job_id=job.pk).state == JobState.CANCELLED  # repeat: no-op
+    assert Event.objects.filter(type="orchestrator_job_canceled", payload__jobId=job.pk).count() == 1
+
+
+def test_cancel_executing_job_cooperatively(project):
+    job = enqueue(project, "noop", sleep=5)
+    claimed = job_claim(worker="w1")
+    job_cancel(job_id=job.pk, reason="operator")
+    job.refresh_from_db()
+    assert job.state == JobState.EXECUTING and job.cancel_requested_at is not None
+    assert job_run_claimed(claimed, worker="w1") == "cancelled"
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.CANCELLED, JobReason.CANCELLED)
+
+
+def test_uncooperative_job_is_cancelled_after_the_graceful_window(project, define_job):
+    define_job(type="stubborn", run=lambda ctx, p: "late", graceful_ms=1_000, lane=lambda p, pid: "L")
+    job = enqueue(project, "stubborn")
+    follower = enqueue(project, "stubborn")
+    claimed = job_claim(worker="w1")
+    job_cancel(job_id=job.pk)
+    assert jobs_enforce_interrupt_timeouts() == 0  # still inside the window
+    assert jobs_enforce_interrupt_timeouts(now=timezone.now() + timedelta(seconds=2)) == 1
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.CANCELLED, JobReason.INTERRUPT_TIMEOUT)
+    assert job_run_claimed(claimed, worker="w1") == "discarded"  # the late result is dropped
+    job.refresh_from_db()
+    assert job.result is None
+    assert job_claim(worker="w2").pk == follower.pk  # the lane is free again
+
+
+def test_mark_cancelled_strategy_ends_an_executing_job_at_once(project, define_job):
+    define_job(type="abrupt", run=lambda ctx, p: "x", cancel_strategy="mark_cancelled")
+    job = enqueue(project, "abrupt")
+    job_claim(worker="w1")
+    assert job_cancel(job_id=job.pk).state == JobState.CANCELLED
+
+
+def test_terminal_jobs_cannot_be_cancelled(project):
+    job = enqueue(project)
+    run_next()
+    with pytest.raises(JobConflict):
+        job_cancel(job_id=job.pk)
+
+
+def test_deadline_completes_with_the_fallback(project, define_job):
+    define_job(type="suggest_request", run=lambda ctx, p: {"text": "real"}, priority_class="interactive",
+               deadline_ms=500, fallback=lambda p: {"text": "fallback"}, lane=lambda p, pid: "S")
+    waiting = enqueue(project, "suggest_request")
+    future = timezone.now() + timedelta(seconds=2)
+    assert jobs_enforce_deadlines(now=future) == 1
+    waiting.refresh_from_db()
+    assert (waiting.state, waiting.reason) == (JobState.COMPLETED, JobReason.FALLBACK)
+    assert waiting.result == {"fallback": True, "value": {"text": "fallback"}}
+    executing = enqueue(project, "suggest_request")
+    claimed = job_claim(worker="w1")
+    assert jobs_enforce_deadlines(now=future) == 1
+    assert job_run_claimed(claimed, worker="w1") == "discarded"  # the late real result is dropped
+    executing.refresh_from_db()
+    assert (executing.state, executing.result["fallback"]) == (JobState.COMPLETED, True)
+
+
+def test_a_job_whose_worker_died_is_recovered_then_exhausted(project):
+    job = enqueue(project, "probe")  # max_attempts 5
+    Job.objects.filter(pk=job.pk).update(max_attempts=2)
+    job_claim(worker="dead-1")
+    assert jobs_recover_expired() == 0  # lease still valid
+    assert jobs_recover_expired(now=timezone.now() + LATER) == 1
+    job.refresh_from_db()
+    assert (job.state, job.reason, job.attempts, job.slot) == (JobState.AWAITING_TOOL, JobReason.LEASE_EXPIRED, 1, None)
+    job_claim(worker="dead-2")
+    assert jobs_recover_expired(now=timezone.now() + LATER) == 1
+    job.refresh_from_db()
+    assert (job.state, job.reason, job.attempts) == (JobState.FAILED, JobReason.RECOVERY_EXHAUSTED, 2)
+
+
+def test_late_result_of_a_recovered_attempt_is_discarded(project):
+    job = enqueue(project, "probe")
+    first = job_claim(worker="w1")
+    jobs_recover_expired(now=timezone.now() + LATER)
+    second = job_claim(worker="w2")
+    assert second.attempts == 2
+    assert job_complete(job_id=job.pk, attempt=first.attempts, result="stale") is False
+    assert job_complete(job_id=job.pk, attempt=second.attempts, result="fresh") is True
+    job.refresh_from_db()
+    assert job.result == "fresh"
+
+
+def test_events_use_the_seed_names_and_fields(project, define_job):
+    define_job(type="suggest", run=lambda ctx, p: {"text": "hi"}, priority_class="interactive",
+               dedupe=Dedupe("single_flight", key=lambda p, pid: p["session"]))
+    job = job_enqueue(job_type="suggest", project=project, payload={"session": "s9"}, source_session_id="s9").job
+    run_next()
+    events = list(Event.objects.filter(payload__jobId=job.pk).order_by("id"))
+    assert [e.type for e in events] == ["orchestrator_job_queued", "orchestrator_job_started",
+                                        "orchestrator_job_completed"]
+    for event in events:
+        for key in ("jobId", "projectId", "jobType", "state", "sourceSessionId", "threadId"):
+            assert key in event.payload
+        assert event.payload["threadId"] == "s9"
+        assert event.project_id == project.pk and event.organization_id == project.organization_id
+    assert events[-1].payload["result"] == {"text": "hi"}
+
+
+def test_wake_message_is_sent_only_after_commit(project, monkeypatch, django_capture_on_commit_callbacks):
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    monkeypatch.setattr("jobs.wake._last_wake", 0.0)
+    with django_capture_on_commit_callbacks(execute=False) as callbacks:
+        enqueue(project)
+    assert sent == []
+    for callback in callbacks:
+        callback()
+    assert sent == [1]
+
+
+def test_hooks_run_after_commit(project, define_job, django_capture_on_commit_callbacks):
+    seen = []
+    define_job(type="hooked", run=lambda ctx, p: "r", on_queued=lambda job: seen.append(("queued", job.state)),
+               on_started=lambda job: seen.append(("started", job.state)),
+               on_completed=lambda job: seen.append(("completed", job.result)))
+    with django_capture_on_commit_callbacks(execute=True):
+        enqueue(project, "hooked")
+    with django_capture_on_commit_callbacks(execute=True):
+        run_next()
+    assert seen == [("queued", "queued"), ("started", "completed"), ("completed", "r")]
+
+
+def test_start_up_check_refuses_retry_not_above_timeout():
+    with pytest.raises(ImproperlyConfigured):
+        check_q_cluster({"timeout": 60, "retry": 60})
+    check_q_cluster({"timeout": 60, "retry": 61})
