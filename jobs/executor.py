@@ -18,10 +18,10 @@ from typing import Any
 
 from django.utils import timezone
 
-from core.errors import ValidationFailed
+from core.errors import DomainError, ValidationFailed
 from jobs import services
 from jobs.models import Job, JobReason
-from jobs.registry import JobCancelled, JobDefinition, JobTimeout, definition_get
+from jobs.registry import FatalJobError, JobCancelled, JobDefinition, JobTimeout, RetryableJobError, definition_get
 
 logger = logging.getLogger("orchestrator.jobs")
 
@@ -138,7 +138,9 @@ def job_run_claimed(job: Job, *, worker: str) -> str:
                                          reason=JobReason.TIMEOUT)
     except Exception as exc:
         retryable = definition.retry.classify(exc) == "retryable"
-        logger.info("job %s attempt %s raised %s: %s", job.pk, attempt, type(exc).__name__, exc)
+        expected = isinstance(exc, (RetryableJobError, FatalJobError, DomainError))
+        logger.log(logging.INFO if expected else logging.WARNING, "job %s (%s) attempt %s raised %s: %s",
+                   job.pk, job.type, attempt, type(exc).__name__, exc, exc_info=not expected)
         return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=f"{type(exc).__name__}: {exc}",
                                          retryable=retryable)
     finally:

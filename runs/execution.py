@@ -22,7 +22,7 @@ from core.errors import CommandConflict, InvalidTransition, NotFound, Validation
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register
 from jobs.services import job_enqueue
 from runs import services
-from runs.models import NodeStatus, Run, Step
+from runs.models import NodeStatus, Run, Step, StepAttempt
 from runs.tools import tool_get
 
 logger = logging.getLogger("orchestrator.runs")
@@ -102,7 +102,9 @@ def _step(ctx, payload: dict) -> dict:
     try:
         attempt = services.step_begin(step_id=step_id)
     except (InvalidTransition, NotFound) as exc:
-        return {"step": step_id, "skipped": getattr(exc, "detail", str(exc))}
+        attempt = _interrupted_attempt(step_id, payload["round"])
+        if attempt is None:
+            return {"step": step_id, "skipped": getattr(exc, "detail", str(exc))}
     step = Step.objects.select_related("run__project").get(pk=step_id)
     outcome = _execute_attempt(ctx, step, attempt)
     not_before = None
@@ -111,6 +113,15 @@ def _step(ctx, payload: dict) -> dict:
     run_dispatch(run_id, not_before=not_before)
     return {"step": step_id, "attempt": attempt.number, "decision": outcome.decision,
             "error": outcome.error_code or None}
+
+
+def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:
+    """The attempt this job began before its worker died: still running, still the step's
+    current one. Replaying it reuses its idempotency key, so its side effect is not repeated."""
+    return (StepAttempt.objects.filter(step_id=step_id, number=round_ + 1, outcome=StepAttempt.Outcome.RUNNING,
+                                       step__attempts=round_ + 1, step__status=NodeStatus.RUNNING,
+                                       run__status=Run.Status.RUNNING)
+            .first())
 
 
 def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:

@@ -357,15 +357,38 @@ def run_mark_running(*, run_id: int) -> Run:
     run.status_reason = ""
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
-        # An agent that failed while the run was paused fails the run now (unless it continues).
-        failed = (Agent.objects.filter(run=run, attempt_number=run.attempt_number, status=NodeStatus.FAILED)
-                  .order_by("finished_at", "pk").first())
-        if failed is not None and run.failure_mode != FailureMode.CONTINUE:
-            _run_after_agent_failed(run, code=failed.last_error_code or "agent_failed",
-                                    message=f"agent {failed.name}: {failed.last_error}")
-        else:
-            _settle_run_if_done(run)
+        _apply_failure_deferred_by_pause(run)
     return run
+
+
+def _defer_failure_while_paused(run: Run, *, code: str) -> None:
+    """A paused run cannot fail: note the agent failure on the open attempt (its ``error_code``,
+    overwritten when the attempt closes); ``run_mark_running`` applies it when the run resumes."""
+    attempt = _current_attempt(run)
+    if attempt is not None and not attempt.outcome:
+        attempt.error_code = code
+        attempt.save(update_fields=["error_code"])
+
+
+def _apply_failure_deferred_by_pause(run: Run) -> None:
+    """On resume: the agent failure noted during the pause takes effect (re-plan, else the run's
+    failure mode); without one, a run whose agents all finished meanwhile settles."""
+    attempt = _current_attempt(run)
+    failed = None
+    if attempt is not None and attempt.error_code and not attempt.outcome:
+        attempt.error_code = ""
+        attempt.save(update_fields=["error_code"])
+        failed = (Agent.objects.filter(run=run, attempt_number=run.attempt_number, status=NodeStatus.FAILED)
+                  .order_by("-finished_at", "-pk").first())
+    if failed is None:
+        _settle_run_if_done(run)
+        return
+    if _replan(run):
+        return
+    transient = StepAttempt.objects.filter(step__task__agent=failed, outcome=StepAttempt.Outcome.FAILED).order_by(
+        "-finished_at", "-pk").values_list("retryable", flat=True).first() is True
+    _run_after_agent_failed(run, code=failed.last_error_code, message=f"agent {failed.name}: {failed.last_error}",
+                            transient=transient)
 
 
 def run_heartbeat(*, run_id: int) -> bool:
@@ -975,6 +998,9 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
     """
     if run.failure_mode == FailureMode.CONTINUE:
         _settle_run_if_done(run)
+        return
+    if run.status in (Run.Status.PAUSED, Run.Status.RESUMING):
+        _defer_failure_while_paused(run, code=code)
         return
     if run.status not in (Run.Status.RUNNING,):
         return

@@ -70,6 +70,7 @@ class ToolContext:
     idempotency_key: str
     attempt: int = 1
     should_stop: Callable[[], bool] = lambda: False
+    project_id: int | None = None
 
     def check_cancelled(self) -> None:
         if self.should_stop():
@@ -206,3 +207,20 @@ def fail(args: dict, ctx: ToolContext) -> dict:
     if ctx.attempt <= int(args.get("times", 1)):
         raise RetryableToolError(f"drill: retryable failure {ctx.attempt}", code="drill_retryable")
     return {"attempt": ctx.attempt}
+
+
+def _validate_deploy(args: dict) -> list[str]:
+    name = args.get("name")
+    return [] if isinstance(name, str) and name.strip() and len(name) <= 200 else ["name: required, a string"]
+
+
+@register_tool("deploy", cost=2, timeout_s=30, validate=_validate_deploy)
+def deploy(args: dict, ctx: ToolContext) -> dict:
+    """Create a deployment through the execution adapter, keyed by the step attempt: replaying
+    the attempt returns the same deployment instead of creating a second one."""
+    from jobs.commands.adapters import adapter_get
+
+    if ctx.project_id is None:
+        raise FatalToolError("deploy needs a project", code="no_project")
+    return adapter_get().create_deployment(project_id=ctx.project_id, idempotency_key=ctx.idempotency_key,
+                                           name=args["name"], spec=dict(args.get("spec") or {}))

@@ -109,7 +109,7 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
     try:
         if kind == CommandKind.INVOKE_TOOL:
             result = _tool_invoke(normalized, key=idempotency_key, attempt=attempt or record.attempts,
-                                  should_stop=should_stop)
+                                  should_stop=should_stop, project_id=project.pk)
         else:
             operation = getattr(adapter or adapter_get(), kind)
             result = operation(project_id=project.pk, idempotency_key=idempotency_key, **normalized)
@@ -219,14 +219,16 @@ def _classify(kind: str, exc: BaseException) -> tuple[bool, str, str]:
     return retryable, "retryable_error" if retryable else "fatal_error", f"{type(exc).__name__}: {exc}"
 
 
-def _tool_invoke(args: dict, *, key: str, attempt: int, should_stop: Callable[[], bool] | None) -> Any:
+def _tool_invoke(args: dict, *, key: str, attempt: int, should_stop: Callable[[], bool] | None,
+                 project_id: int | None = None) -> Any:
     """Run a registered tool with the command's idempotency key (the tool must honour it)."""
     from runs.tools import ToolCancelled, ToolContext, tool_get
 
     tool = tool_get(args["tool"])
     if tool is None:
         raise AdapterError(f"tool {args['tool']!r} is not registered", code="unknown_tool")
-    context = ToolContext(idempotency_key=key, attempt=attempt, should_stop=should_stop or (lambda: False))
+    context = ToolContext(idempotency_key=key, attempt=attempt, should_stop=should_stop or (lambda: False),
+                          project_id=project_id)
     try:
         return tool.func(args["args"], context)
     except ToolCancelled as exc:
