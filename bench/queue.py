@@ -15,8 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import percentile, scratch_database, start_cluster, stop_cluster, wait_until  # noqa: E402
+# This file is named like the standard library's ``queue``: take bench/ off the import path so
+# ``import queue`` (multiprocessing, django-q2) finds the real one, and load our helpers by path.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
+import importlib.util  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("bench_common", _HERE / "_common.py")
+_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_common)
+percentile, scratch_database, start_cluster, stop_cluster, wait_until = (
+    _common.percentile, _common.scratch_database, _common.start_cluster, _common.stop_cluster, _common.wait_until)
 
 
 def measure_bare(n: int, env: dict, log: Path) -> float:

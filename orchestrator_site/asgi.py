@@ -1,4 +1,4 @@
-"""ASGI entry point served by daphne."""
+"""ASGI entry point served by daphne: HTTP (admin, API) and WebSocket (``/ws/events/``)."""
 
 import os
 
@@ -6,4 +6,18 @@ from django.core.asgi import get_asgi_application
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "orchestrator_site.settings")
 
-application = get_asgi_application()
+django_asgi_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402  (needs the app registry)
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from core.consumers import EventConsumer  # noqa: E402
+
+application = ProtocolTypeRouter({
+    "http": django_asgi_app,
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter([
+        path("ws/events/", EventConsumer.as_asgi()),
+    ]))),
+})

@@ -57,6 +57,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_q",
+    "channels",
     "core",
     "billing",
     "jobs",
@@ -143,6 +144,7 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
+STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 
 LOGIN_URL = "admin:login"
 
@@ -201,3 +203,8 @@ ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS = env_int("ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS",
 ORCHESTRATOR_QUEUE_DRAIN_MAX_S = env_int("ORCHESTRATOR_QUEUE_DRAIN_MAX_S", 10)
 ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS = env_int("ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS", 12_000)
 ORCHESTRATOR_WORKER_SESSION_STALE_S = env_int("ORCHESTRATOR_WORKER_SESSION_STALE_S", 3600)
+
+# --- Live events (Channels) ----------------------------------------------------------------------
+# Events are delivered in-process by the relay (core/relay.py); the layer is only Channels' plumbing.
+CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS = env_int("ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS", 50)

@@ -11,6 +11,11 @@ from billing.services import organization_create
 ON_POSTGRES = settings.DATABASE_IS_POSTGRES
 
 
+@pytest.fixture(autouse=True)
+def fast_password_hashing(settings):
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 def pytest_collection_modifyitems(config, items):
     if ON_POSTGRES:
         return

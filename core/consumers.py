@@ -1,0 +1,225 @@
+"""``/ws/events/``: authenticated, tenant-limited event streams with replay.
+
+Protocol (JSON messages):
+- authenticate with the session cookie, or send ``{"action": "auth", "token": "<api token>"}``
+  first (never in the URL); unauthenticated sockets are closed with code 4401;
+- ``{"action": "subscribe", "run": id}`` (or ``"project"``, ``"organization"``, or
+  ``"all": true`` for staff), optionally with ``"after": <event id>``: events after that id are
+  replayed from the database, then the stream goes live, in id order, without gaps or duplicates;
+- ``{"action": "unsubscribe", ...}`` with the same keys.
+Server messages: event envelopes (``{"id", "type", "ts", "organization", "project", "run", ...}``),
+``{"type": "subscribed", ...}``, ``{"type": "error", "code", "detail"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from asgiref.sync import sync_to_async
+from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from django.conf import settings
+
+from core.relay import Relay, Subscriber, envelope, events_after
+
+logger = logging.getLogger("orchestrator.relay")
+
+CLOSE_UNAUTHENTICATED = 4401
+AUTH_TIMEOUT_S = 10
+SCOPES = ("run", "project", "organization")
+
+
+def _user_from_token(key: str):
+    from django.apps import apps
+
+    if not apps.is_installed("rest_framework.authtoken"):
+        return None
+    from rest_framework.authtoken.models import Token
+
+    token = Token.objects.select_related("user").filter(key=key).first()
+    if token is None or not token.user.is_active:
+        return None
+    return token.user
+
+
+def _access(user, scope: str, object_id) -> tuple[bool, str, int | None]:
+    """May ``user`` watch this scope? Returns (allowed, group, organization)."""
+    from core.models import Organization, Project
+    from runs.models import Run
+
+    sees_all = user.is_staff and user.has_perm("core.view_event")
+    if scope == "all":
+        return sees_all, "all", None
+    if isinstance(object_id, bool) or not isinstance(object_id, int):
+        return False, "", None
+    if scope == "run":
+        organization = Run.objects.filter(pk=object_id).values_list("organization_id", flat=True).first()
+    elif scope == "project":
+        organization = Project.objects.filter(pk=object_id).values_list("organization_id", flat=True).first()
+    else:
+        organization = Organization.objects.filter(pk=object_id).values_list("pk", flat=True).first()
+    if organization is None:
+        return False, "", None
+    allowed = sees_all or user.memberships.filter(organization_id=organization).exists()
+    return allowed, f"{scope}.{object_id}", organization
+
+
+class EventConsumer(AsyncJsonWebsocketConsumer):
+    """Relays committed events to one client (see the module docstring for the protocol)."""
+
+    async def connect(self):
+        self.user = None
+        self.subscriber = Subscriber()
+        self.last_sent = 0
+        self.sender: asyncio.Task | None = None
+        self.auth_timer: asyncio.Task | None = None
+        self.replaying = False
+        await self.accept()
+        user = self.scope.get("user")
+        if user is not None and user.is_authenticated:
+            await self._authenticated(user)
+        else:
+            self.auth_timer = asyncio.get_running_loop().create_task(self._require_auth())
+
+    async def _require_auth(self):
+        await asyncio.sleep(AUTH_TIMEOUT_S)
+        if self.user is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+
+    async def _authenticated(self, user):
+        self.user = user
+        if self.auth_timer is not None:
+            self.auth_timer.cancel()
+        self.relay = await Relay.get()
+        self.sender = asyncio.get_running_loop().create_task(self._send_live())
+        await self.send_json({"type": "hello", "user": user.get_username(), "cursor": self.relay.cursor})
+
+    async def disconnect(self, code):
+        if getattr(self, "relay", None) is not None:
+            self.relay.unsubscribe(self.subscriber)
+        for task in (self.sender, self.auth_timer):
+            if task is not None:
+                task.cancel()
+
+    async def receive_json(self, content, **kwargs):
+        if not isinstance(content, dict):
+            return await self._error("bad_message", "messages are JSON objects")
+        action = content.get("action")
+        if action == "auth":
+            if self.user is not None:
+                return await self.send_json({"type": "hello", "user": self.user.get_username()})
+            token = content.get("token")
+            user = await sync_to_async(_user_from_token)(token) if isinstance(token, str) and token else None
+            if user is None:
+                return await self.close(code=CLOSE_UNAUTHENTICATED)
+            return await self._authenticated(user)
+        if self.user is None:
+            return await self.close(code=CLOSE_UNAUTHENTICATED)
+        if action == "subscribe":
+            return await self._subscribe(content)
+        if action == "unsubscribe":
+            return await self._unsubscribe(content)
+        if action == "ping":
+            return await self.send_json({"type": "pong", "cursor": self.relay.cursor})
+        return await self._error("bad_message", f"unknown action {action!r}")
+
+    async def _error(self, code: str, detail: str, **extra):
+        await self.send_json({"type": "error", "code": code, "detail": detail, **extra})
+
+    def _scope_of(self, content) -> tuple[str, object] | None:
+        if content.get("all") is True:
+            return "all", True
+        for scope in SCOPES:
+            if scope in content:
+                return scope, content[scope]
+        return None
+
+    async def _subscribe(self, content):
+        target = self._scope_of(content)
+        if target is None:
+            return await self._error("bad_message", "subscribe to a run, project, organization or all")
+        scope, object_id = target
+        if len(self.subscriber.groups) >= settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS:
+            return await self._error("too_many_subscriptions",
+                                     f"at most {settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS} per connection")
+        after = content.get("after")
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            return await self._error("bad_message", "after must be an event id")
+        allowed, group, organization = await sync_to_async(_access)(self.user, scope, object_id)
+        if not allowed:
+            return await self._error("forbidden", f"no access to {scope} {object_id}", scope=scope)
+        # Register first: everything after the relay's cursor arrives live; replay the rest.
+        cursor = self.relay.subscribe(self.subscriber, group)
+        await self.send_json({"type": "subscribed", "scope": scope, "id": object_id, "cursor": cursor})
+        if after is not None and after < cursor:
+            await self._replay(after, cursor, scope, object_id)
+
+    async def _unsubscribe(self, content):
+        target = self._scope_of(content)
+        if target is None:
+            return await self._error("bad_message", "unsubscribe from a run, project, organization or all")
+        scope, object_id = target
+        group = "all" if scope == "all" else f"{scope}.{object_id}"
+        members = self.relay.groups.get(group)
+        if members is not None:
+            members.discard(self.subscriber)
+        self.subscriber.groups.discard(group)
+        await self.send_json({"type": "unsubscribed", "scope": scope, "id": object_id})
+
+    async def _replay(self, after: int, upto: int, scope: str, object_id):
+        filters = {} if scope == "all" else {scope if scope != "organization" else "organizations":
+                                              object_id if scope != "organization" else [object_id]}
+        self.replaying = True
+        try:
+            position = after
+            while position < upto:
+                rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto, **filters)
+                if not rows:
+                    break
+                for row in rows:
+                    await self._deliver(envelope(row))
+                position = rows[-1]["id"]
+        finally:
+            self.replaying = False
+
+    async def _deliver(self, event: dict):
+        if event["id"] <= self.last_sent:
+            return  # already sent through another subscription or the replay
+        self.last_sent = event["id"]
+        await self.send_json(event)
+
+    async def _send_live(self):
+        try:
+            while True:
+                event = await self.subscriber.queue.get()
+                while self.replaying:
+                    await asyncio.sleep(0.005)
+                await self._deliver(event)
+                if self.subscriber.overflowed and self.subscriber.queue.empty():
+                    await self._catch_up()
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            logger.exception("event stream to a client failed")
+
+    async def _catch_up(self):
+        """The client fell behind the buffer: read what it missed from the database."""
+        self.subscriber.overflowed = False
+        organizations = None
+        if not (self.user.is_staff and await sync_to_async(self.user.has_perm)("core.view_event")):
+            organizations = await sync_to_async(
+                lambda: list(self.user.memberships.values_list("organization_id", flat=True)))()
+        upto = self.relay.cursor or 0
+        position = self.last_sent
+        while position < upto:
+            rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto,
+                                                                             organizations=organizations)
+            if not rows:
+                break
+            for row in rows:
+                event = envelope(row)
+                from core.relay import groups_of
+
+                if set(groups_of(event)) & self.subscriber.groups:
+                    await self._deliver(event)
+            position = rows[-1]["id"]

@@ -1,0 +1,207 @@
+"""``/ws/events/`` with Channels' WebsocketCommunicator: auth, tenancy, replay, order, bursts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.db import transaction
+
+from core.models import Event
+from core.services import event_record
+from orchestrator_site.asgi import application
+from runs import services
+from tests.conftest import make_plan
+
+pytestmark = pytest.mark.django_db(transaction=True)
+ORIGIN = (b"origin", b"http://localhost")
+
+
+def session_cookie(client, user) -> tuple[bytes, bytes]:
+    client.force_login(user)
+    return b"cookie", f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}".encode()
+
+
+async def connect(headers=()):
+    communicator = WebsocketCommunicator(application, "/ws/events/", headers=[ORIGIN, *headers])
+    connected, _ = await communicator.connect()
+    assert connected
+    return communicator
+
+
+async def receive_events(communicator, count, timeout=10.0):
+    events = []
+    while len(events) < count:
+        message = await communicator.receive_json_from(timeout=timeout)
+        if "id" in message and "type" in message and message["type"] not in ("subscribed",):
+            events.append(message)
+    return events
+
+
+async def expect_nothing(communicator, wait=0.4):
+    assert await communicator.receive_nothing(timeout=wait)
+
+
+@pytest.fixture
+def member(org_factory, client):
+    organization, project, owner = org_factory()
+    return organization, project, owner, session_cookie(client, owner)
+
+
+def test_unauthenticated_socket_is_closed_with_4401():
+    async def scenario():
+        communicator = await connect()
+        await communicator.send_json_to({"action": "subscribe", "organization": 1})
+        assert (await communicator.receive_output(timeout=5)) == {"type": "websocket.close", "code": 4401}
+
+    asyncio.run(scenario())
+
+
+def test_a_bad_token_is_closed_with_4401():
+    async def scenario():
+        communicator = await connect()
+        await communicator.send_json_to({"action": "auth", "token": "nope"})
+        assert (await communicator.receive_output(timeout=5)) == {"type": "websocket.close", "code": 4401}
+
+    asyncio.run(scenario())
+
+
+def test_cookie_session_subscribes_and_replays_a_run_in_order(member):
+    organization, project, owner, cookie = member
+    run = services.run_create(project=project, name="watched", plan=make_plan())
+    services.run_start(run_id=run.pk)
+    expected = list(Event.objects.filter(run_id=run.pk).order_by("id").values_list("id", "type"))
+
+    async def scenario():
+        communicator = await connect([cookie])
+        hello = await communicator.receive_json_from(timeout=5)
+        assert hello["type"] == "hello" and hello["user"] == owner.username
+        await communicator.send_json_to({"action": "subscribe", "run": run.pk, "after": 0})
+        subscribed = await communicator.receive_json_from(timeout=5)
+        assert subscribed["type"] == "subscribed"
+        replayed = await receive_events(communicator, len(expected))
+        assert [(e["id"], e["type"]) for e in replayed] == expected
+        assert all(e["run"] == run.pk and e["organization"] == organization.pk for e in replayed)
+        await sync_to_async(services.run_cancel)(run_id=run.pk, reason="live")
+        live = await receive_events(communicator, 2)  # ledger refund + run_cancelled
+        assert [e["type"] for e in live] == ["ledger_refund", "run_cancelled"]
+        assert live[0]["id"] > replayed[-1]["id"]
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_subscriptions_are_limited_to_the_users_organizations(member, org_factory):
+    _, _, _, cookie = member
+    other_org, other_project, _ = org_factory()
+    foreign_run = services.run_create(project=other_project, name="foreign", plan=make_plan())
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        for scope, object_id in (("run", foreign_run.pk), ("project", other_project.pk),
+                                 ("organization", other_org.pk), ("all", True), ("run", 999_999)):
+            await communicator.send_json_to({"action": "subscribe", scope: object_id, "after": 0})
+            refused = await communicator.receive_json_from(timeout=5)
+            assert refused["type"] == "error" and refused["code"] == "forbidden"
+        await sync_to_async(services.run_start)(run_id=foreign_run.pk)
+        await expect_nothing(communicator)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_staff_with_the_view_permission_may_watch_everything(org_factory, client):
+    from django.contrib.auth.models import Permission
+
+    _, project, _ = org_factory()
+    staff = get_user_model().objects.create_user(username="watcher", is_staff=True)
+    staff.user_permissions.add(Permission.objects.get(codename="view_event", content_type__app_label="core"))
+    cookie = session_cookie(client, staff)
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "all": True})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        await sync_to_async(services.run_create)(project=project, name="any", plan=make_plan())
+        event = (await receive_events(communicator, 1))[0]
+        assert event["type"] == "run_created"
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_overlapping_subscriptions_never_send_an_event_twice(member):
+    organization, project, _, cookie = member
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        for message in ({"action": "subscribe", "organization": organization.pk},
+                        {"action": "subscribe", "project": project.pk}):
+            await communicator.send_json_to(message)
+            await communicator.receive_json_from(timeout=5)
+        run = await sync_to_async(services.run_create)(project=project, name="twice?", plan=make_plan())
+        await sync_to_async(services.run_start)(run_id=run.pk)
+        events = await receive_events(communicator, 4)
+        assert [e["type"] for e in events] == ["run_created", "ledger_reserve", "run_pending",
+                                               "orchestrator_job_queued"]
+        assert events[-1]["jobType"] == "run_tick" and events[-1]["projectId"] == project.pk
+        await expect_nothing(communicator)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_a_rolled_back_service_call_emits_nothing(member):
+    organization, project, _, cookie = member
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
+        await communicator.receive_json_from(timeout=5)
+
+        def doomed():
+            with transaction.atomic():
+                services.run_create(project=project, name="rolled back", plan=make_plan())
+                raise RuntimeError("abort")
+
+        with pytest.raises(RuntimeError):
+            await sync_to_async(doomed)()
+        await expect_nothing(communicator, wait=1.0)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+    assert not Event.objects.filter(type="run_created").exists()
+
+
+def test_a_burst_of_1000_events_reaches_100_clients_complete_and_in_order(member):
+    organization, project, _, cookie = member
+
+    def burst():
+        for index in range(1000):
+            event_record(type="drill_burst", organization_id=organization.pk, project_id=project.pk,
+                         payload={"n": index})
+
+    async def scenario():
+        clients = [await connect([cookie]) for _ in range(100)]
+        for communicator in clients:
+            await communicator.receive_json_from(timeout=5)
+            await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
+            await communicator.receive_json_from(timeout=5)
+        await sync_to_async(burst)()
+        for communicator in clients:
+            events = await receive_events(communicator, 1000, timeout=20)
+            assert [e["n"] for e in events] == list(range(1000))
+            ids = [e["id"] for e in events]
+            assert ids == sorted(ids) and len(set(ids)) == 1000
+        for communicator in clients:
+            await communicator.disconnect()
+
+    asyncio.run(scenario())
