@@ -27,7 +27,7 @@ demo: migrate
 	@echo "  Log in as operator / operator (DEMO_USERNAME / DEMO_PASSWORD to change)."
 	@echo "  Ctrl-C stops it."
 	@echo ""
-	$(BIN)/daphne -b $(HOST) -p $(PORT) orchestrator_site.asgi:application
+	$(BIN)/python manage.py run_console --host $(HOST) --port $(PORT)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -110,3 +110,42 @@ class AuditRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.actor_label} {self.action} {self.target_type}:{self.target_id}"
+
+
+class IdempotencyRecord(models.Model):
+    """One ``Idempotency-Key`` of one organization on one endpoint, and the answer it got.
+
+    The row is inserted ``in_flight`` and committed before the request runs, so a concurrent
+    duplicate finds it (``409 idempotency_key_in_use``); the response is stored byte for byte
+    when the request ends (``done``) and replayed for the same key and body until
+    ``expires_at``. ``lock_token`` names the request that owns an in-flight row: only that
+    request may store or release it, and a row left in flight by a crashed request is taken
+    over (a new token) once ``locked_at`` is older than the in-flight timeout.
+    """
+
+    class Status(models.TextChoices):
+        IN_FLIGHT = "in_flight", "In flight"
+        DONE = "done", "Done"
+
+    id = models.BigAutoField(primary_key=True)
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    endpoint = models.CharField(max_length=255, help_text="request path, e.g. /api/v1/runs/")
+    request_hash = models.CharField(max_length=64, help_text="sha256 of method, query and canonical body")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.IN_FLIGHT)
+    lock_token = models.CharField(max_length=32)
+    locked_at = models.DateTimeField()
+    response_status = models.PositiveSmallIntegerField(null=True, blank=True)
+    response_content_type = models.CharField(max_length=100, blank=True, default="")
+    response_body = models.BinaryField(null=True, blank=True)
+    created_at = models.DateTimeField()
+    completed_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "key", "endpoint"], name="idempotency_unique_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.endpoint} ({self.status})"

@@ -2,6 +2,7 @@
 change only through ``jobs.services``, ``jobs.commands`` and ``jobs.sessions``)."""
 
 from django.contrib import admin
+from django.utils.html import format_html
 
 from core.admin import ReadOnlyAdmin
 from jobs.models import AdapterCall, CommandRecord, Deployment, Job, Order, WorkerHeartbeat, WorkerSession
@@ -9,12 +10,17 @@ from jobs.models import AdapterCall, CommandRecord, Deployment, Job, Order, Work
 
 @admin.register(Job)
 class JobAdmin(ReadOnlyAdmin):
-    list_display = ("id", "type", "project", "state", "reason", "priority_class", "priority", "lane", "attempts",
-                    "max_attempts", "worker", "created_at", "completed_at")
+    list_display = ("id", "type", "project", "live_state", "reason", "priority_class", "priority", "lane",
+                    "attempts", "max_attempts", "worker", "created_at", "completed_at")
     list_filter = ("state", "type", "priority_class", "reason", "project", ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "lane", "dedupe_key")
     show_full_result_count = False
+
+    @admin.display(description="state", ordering="state")
+    def live_state(self, job):
+        return format_html('<span class="status-badge" data-live="job-state" data-job="{}" data-value="{}">{}</span>',
+                           job.pk, job.state, job.state)
 
 
 @admin.register(CommandRecord)

@@ -57,6 +57,10 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "django_q",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "django_filters",
+    "drf_spectacular",
     "channels",
     "core",
     "billing",
@@ -208,3 +212,47 @@ ORCHESTRATOR_WORKER_SESSION_STALE_S = env_int("ORCHESTRATOR_WORKER_SESSION_STALE
 # Events are delivered in-process by the relay (core/relay.py); the layer is only Channels' plumbing.
 CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS = env_int("ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS", 50)
+
+# --- API (DRF) ----------------------------------------------------------------------------------
+# /api/v1/ (core/api, runs/api, jobs/api, billing/api), the OpenAPI schema at /api/schema/.
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",  # first: unauthenticated → 401
+        "rest_framework.authentication.SessionAuthentication",  # browser, with CSRF
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
+    "DEFAULT_PAGINATION_CLASS": "core.api.pagination.PagePagination",
+    "DEFAULT_THROTTLE_CLASSES": ["core.api.throttling.UserRateThrottle"],
+    "DEFAULT_SCHEMA_CLASS": "core.api.schema.AutoSchema",
+    "EXCEPTION_HANDLER": "core.api.exceptions.api_exception_handler",
+    "PAGE_SIZE": 50,
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Orchestrator Console API",
+    "DESCRIPTION": "Runs, jobs, credits and events of the run orchestrator. Errors are "
+                   "`{\"code\", \"detail\", ...}`; POSTs accept an `Idempotency-Key` header.",
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SCHEMA_PATH_PREFIX": r"/api/v[0-9]+",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "runs.models.Run.Status",
+        "NodeStatusEnum": "runs.models.NodeStatus",
+        "EscalationStatusEnum": "runs.models.EscalationTicket.Status",
+        "JobStateEnum": "jobs.models.JobState",
+    },
+}
+# Requests per user ("600/minute"; empty: no limit). Idempotency keys live 24 h; a request
+# that crashed leaves its key in flight for at most the in-flight timeout.
+ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "")
+ORCHESTRATOR_IDEMPOTENCY_TTL_S = env_int("ORCHESTRATOR_IDEMPOTENCY_TTL_S", 24 * 3600)
+ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S = env_int("ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S", 60)
+# Job types clients may enqueue through POST /api/v1/jobs/ (the run engine's own types are not).
+ORCHESTRATOR_API_JOB_TYPES = env_list("ORCHESTRATOR_API_JOB_TYPES", ["noop", "probe", "command"])
+# Health: relay cursor lag (events) above which GET /api/v1/health/ answers 503.
+ORCHESTRATOR_HEALTH_MAX_RELAY_LAG = env_int("ORCHESTRATOR_HEALTH_MAX_RELAY_LAG", 1000)

@@ -107,3 +107,59 @@ def wait_for(predicate, *, timeout: float, interval: float = 0.1, message: str =
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Daphne:
+    """A daphne child process serving the ASGI application on a free port."""
+
+    def __init__(self, log_path: Path, **env_overrides):
+        self.log_path = log_path
+        self.env = worker_env(**env_overrides)
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "Daphne":
+        import socket
+
+        self.log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(self.port),
+             "orchestrator_site.asgi:application"],
+            cwd=BASE_DIR, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def listening():
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+        wait_for(listening, timeout=30, message="daphne listening")
+        return self
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def restart_postgres() -> None:
+    """Restart the local PostgreSQL server (drills and the relay's reconnect test)."""
+    versions = sorted(os.listdir("/etc/postgresql"))
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", versions[-1], "main", "restart"], check=True,
+                   capture_output=True, timeout=120)

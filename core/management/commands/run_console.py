@@ -1,0 +1,66 @@
+"""``run_console``: daphne (admin, API, WebSocket) and a ``qcluster`` together; Ctrl-C stops both.
+
+Used by ``make demo``. Each child gets the same environment; if either exits, the other is
+stopped and the command exits with its code.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Serve the console with daphne and run the django-q2 workers, until Ctrl-C."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--host", default="127.0.0.1")
+        parser.add_argument("--port", type=int, default=8000)
+        parser.add_argument("--no-workers", action="store_true", help="serve only (workers run elsewhere)")
+
+    def handle(self, *args, **options):
+        base = [sys.executable]
+        daphne = base + ["-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
+                         "orchestrator_site.asgi:application"]
+        children = [("daphne", subprocess.Popen(daphne, cwd=settings.BASE_DIR, start_new_session=True))]
+        if not options["no_workers"]:
+            cluster = base + [str(settings.BASE_DIR / "manage.py"), "qcluster"]
+            children.append(("qcluster", subprocess.Popen(cluster, cwd=settings.BASE_DIR, start_new_session=True)))
+        stopping = {"flag": False}
+
+        def stop(signum=None, frame=None):
+            stopping["flag"] = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        self.stdout.write(self.style.SUCCESS(
+            f"Orchestrator Console on http://{options['host']}:{options['port']}/admin/ "
+            f"({'with' if len(children) > 1 else 'without'} workers); Ctrl-C stops it."))
+        code = 0
+        try:
+            while not stopping["flag"]:
+                for name, process in children:
+                    if process.poll() is not None:
+                        self.stderr.write(f"{name} exited with code {process.returncode}; stopping")
+                        code = process.returncode or 1
+                        stopping["flag"] = True
+                time.sleep(0.2)
+        finally:
+            for name, process in children:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            for name, process in children:
+                try:
+                    process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+            self.stdout.write("stopped")
+        if code:
+            sys.exit(code)
