@@ -1,18 +1,21 @@
 """The run state machine, pair by pair (seed 001 §1.3, DESIGN §2.1).
 
-Every run state is built through the services (``run_in_state``), every action is called on
-it, and each (state, action) pair is its own test case: an allowed transition reaches its
-target with its side effects (ledger, event, audit, timestamps, attempts); a repeat into the
-current state is a no-op that writes nothing; anything else raises ``InvalidTransition``
-naming the run, its state and the action, and changes nothing.
+Every run state is built through the services (``build_run_in_state``; for the table once per
+module, inside a transaction rolled back at the end, each case acting in its own savepoint),
+every action is called on it, and each (state, action) pair is its own test case: an allowed
+transition reaches its target with its side effects (ledger, event, audit, timestamps,
+attempts); a repeat into the current state is a no-op that writes nothing; anything else
+raises ``InvalidTransition`` naming the run, its state and the action, and changes nothing.
 """
 
 from __future__ import annotations
 
 import pytest
+from django.db import transaction
 
 from billing.models import CreditAccount, LedgerEntry
 from billing.selectors import account_balance, ledger_totals
+from billing.services import organization_create
 from core.errors import InsufficientCredits, InvalidTransition
 from core.models import AuditRecord, Event
 from runs import services
@@ -98,6 +101,12 @@ PLAN_STEPS = 3
 CREDIT_LIMIT = 3 * PLAN_STEPS  # echo costs 1, three tries per step
 
 
+@pytest.fixture
+def operator(django_user_model):
+    """A staff user without a password: hashing one costs more than the transition under test."""
+    return django_user_model.objects.create_user(username="table-operator", is_staff=True)
+
+
 def _ids(pairs):
     return [f"{state}-{action}" for state, action in pairs]
 
@@ -118,50 +127,74 @@ def _succeed(run_id: int, name: str) -> None:
     assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
 
 
-@pytest.fixture
-def run_in_state(project):
-    """``build(state)`` → a run of 1 agent × 1 task × 3 echo steps in ``state``, built by services.
+def build_run_in_state(project, state: str) -> Run:
+    """A run of 1 agent × 1 task × 3 echo steps in ``state``, built by the services.
 
     From ``running`` on, step s0 has completed (1 credit charged) and s1 is in flight, so the
     settling transitions have both charged and unused credits to account for.
     """
+    max_attempts = 2 if state == "failed_exhausted" else 3
+    run = services.run_create(project=project, name=f"run {state}", plan=make_plan(steps=PLAN_STEPS),
+                              max_attempts=max_attempts)
+    assert run.credit_limit == CREDIT_LIMIT
+    if state == "created":
+        return Run.objects.get(pk=run.pk)
+    services.run_start(run_id=run.pk)
+    if state == "pending":
+        return Run.objects.get(pk=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    _succeed(run.pk, "s0")
+    in_flight = _begin(run.pk, "s1")
+    if state in ("paused", "resuming"):
+        services.run_pause(run_id=run.pk)
+        if state == "resuming":
+            services.run_resume(run_id=run.pk)
+    elif state == "completed":
+        services.step_attempt_succeed(attempt_id=in_flight.pk, output={"ok": True})
+        _succeed(run.pk, "s2")
+    elif state in ("failed_retryable", "failed_exhausted", "retrying"):
+        services.run_fail(run_id=run.pk, code="worker_lost", message="the worker went away")
+        if state == "retrying":
+            services.run_retry(run_id=run.pk)
+        elif state == "failed_exhausted":
+            services.run_retry(run_id=run.pk)
+            services.run_requeue(run_id=run.pk)
+            services.run_mark_running(run_id=run.pk)
+            services.run_fail(run_id=run.pk, code="worker_lost", message="the worker went away again")
+    elif state == "cancelled":
+        services.run_cancel(run_id=run.pk)
+    run = Run.objects.get(pk=run.pk)
+    assert run.status == STATUS_OF[state]
+    return run
 
-    def build(state: str) -> Run:
-        max_attempts = 2 if state == "failed_exhausted" else 3
-        run = services.run_create(project=project, name=f"run {state}", plan=make_plan(steps=PLAN_STEPS),
-                                  max_attempts=max_attempts)
-        assert run.credit_limit == CREDIT_LIMIT
-        if state == "created":
-            return Run.objects.get(pk=run.pk)
-        services.run_start(run_id=run.pk)
-        if state == "pending":
-            return Run.objects.get(pk=run.pk)
-        services.run_mark_running(run_id=run.pk)
-        _succeed(run.pk, "s0")
-        in_flight = _begin(run.pk, "s1")
-        if state in ("paused", "resuming"):
-            services.run_pause(run_id=run.pk)
-            if state == "resuming":
-                services.run_resume(run_id=run.pk)
-        elif state == "completed":
-            services.step_attempt_succeed(attempt_id=in_flight.pk, output={"ok": True})
-            _succeed(run.pk, "s2")
-        elif state in ("failed_retryable", "failed_exhausted", "retrying"):
-            services.run_fail(run_id=run.pk, code="worker_lost", message="the worker went away")
-            if state == "retrying":
-                services.run_retry(run_id=run.pk)
-            elif state == "failed_exhausted":
-                services.run_retry(run_id=run.pk)
-                services.run_requeue(run_id=run.pk)
-                services.run_mark_running(run_id=run.pk)
-                services.run_fail(run_id=run.pk, code="worker_lost", message="the worker went away again")
-        elif state == "cancelled":
-            services.run_cancel(run_id=run.pk)
-        run = Run.objects.get(pk=run.pk)
-        assert run.status == STATUS_OF[state]
-        return run
 
-    return build
+@pytest.fixture
+def run_in_state(project):
+    """``build(state)`` → a new run in ``state`` (see ``build_run_in_state``)."""
+    return lambda state: build_run_in_state(project, state)
+
+
+@pytest.fixture(scope="module")
+def table_runs(django_db_setup, django_db_blocker):
+    """Every state built once for the transition table, each in its own organization.
+
+    Built through the services inside a transaction that is rolled back after the module
+    (like ``TestCase.setUpTestData``); each table case acts inside its own savepoint, so it
+    starts from exactly this state and leaves nothing for the next one.
+    """
+    with django_db_blocker.unblock(), transaction.atomic():
+        runs = {}
+        for state in STATES:
+            _, project, _, _ = organization_create(name=f"table {state}", owner_username=f"table owner {state}",
+                                                   credits=1_000)
+            runs[state] = build_run_in_state(project, state).pk
+        yield runs
+        transaction.set_rollback(True)
+
+
+@pytest.fixture
+def table_run(table_runs, db):
+    return lambda state: Run.objects.get(pk=table_runs[state])
 
 
 def _world(run: Run) -> dict:
@@ -221,8 +254,8 @@ def test_states_built_through_services_hold_the_invariants(state, run_in_state):
 
 
 @pytest.mark.parametrize(("state", "action"), list(ALLOWED), ids=_ids(ALLOWED))
-def test_allowed_transition_reaches_its_target_with_side_effects(state, action, run_in_state, operator):
-    run = run_in_state(state)
+def test_allowed_transition_reaches_its_target_with_side_effects(state, action, table_run, operator):
+    run = table_run(state)
     before = _world(run)
     last_ledger = LedgerEntry.objects.order_by("-id").values_list("id", flat=True).first() or 0
     last_event = Event.objects.order_by("-id").values_list("id", flat=True).first() or 0
@@ -339,8 +372,8 @@ def test_allowed_transition_reaches_its_target_with_side_effects(state, action, 
 
 
 @pytest.mark.parametrize(("state", "action"), sorted(NOOPS), ids=_ids(sorted(NOOPS)))
-def test_repeating_the_current_state_is_a_noop(state, action, run_in_state, operator):
-    run = run_in_state(state)
+def test_repeating_the_current_state_is_a_noop(state, action, table_run, operator):
+    run = table_run(state)
     before = _world(run)
 
     returned = _call(action, run, actor=operator)
@@ -354,8 +387,8 @@ def test_repeating_the_current_state_is_a_noop(state, action, run_in_state, oper
 
 
 @pytest.mark.parametrize(("state", "action"), REFUSED, ids=_ids(REFUSED))
-def test_forbidden_transition_raises_and_changes_nothing(state, action, run_in_state, operator):
-    run = run_in_state(state)
+def test_forbidden_transition_raises_and_changes_nothing(state, action, table_run, operator):
+    run = table_run(state)
     before = _world(run)
     requested = action.removeprefix("run_")
 

@@ -1,0 +1,235 @@
+"""Runs (create, list, detail, actions, events), escalations and the event feed.
+
+Views are thin: validate the input, find the object among the caller's organizations, call
+the service, serialize. Domain errors become responses in ``core.api.exceptions``.
+"""
+
+from __future__ import annotations
+
+from django_filters import rest_framework as filters
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import mixins, serializers, status
+from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
+from rest_framework.response import Response
+
+from core.api.base import ApiView, ApiViewSet
+from core.api.events import event_page, events_visible
+from core.api.schema import errors
+from core.api.serializers import EventPageSerializer, EventQuerySerializer
+from core.api.tenancy import (
+    MAX_ID,
+    VisibleIdFilter,
+    as_id,
+    organization_ids,
+    visible,
+    visible_get,
+    visible_organizations,
+    visible_project,
+    visible_projects,
+)
+from runs import escalations, gates, services
+from runs.api.serializers import (
+    ActionSerializer,
+    ApproveSerializer,
+    EscalationSerializer,
+    ResolveSerializer,
+    RunCreateSerializer,
+    RunDetailSerializer,
+    RunSerializer,
+)
+from runs.models import EscalationTicket, Run
+
+
+def visible_runs(request):
+    return visible(Run.objects.alive(), request)
+
+
+class RunFilter(filters.FilterSet):
+    project = VisibleIdFilter(field_name="project_id", entity="project", queryset=visible_projects)
+    status = filters.ChoiceFilter(choices=Run.Status.choices)
+    created_after = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+
+    class Meta:
+        model = Run
+        fields = ["project", "status", "created_after", "created_before"]
+
+
+ACTION_ERRORS = errors("not_found", "invalid_transition")
+
+
+def _action_schema(summary: str, *codes: str):
+    return extend_schema(summary=summary, request=ActionSerializer,
+                         responses={200: RunDetailSerializer, **errors("not_found", "invalid_transition", *codes)})
+
+
+class RunEventQuerySerializer(serializers.Serializer):
+    after = serializers.IntegerField(min_value=0, max_value=MAX_ID, default=0)
+    limit = serializers.IntegerField(min_value=1, max_value=500, default=100)
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Runs of the caller's organizations",
+                       responses={200: RunSerializer(many=True), **errors("validation_error", "not_found")}),
+    retrieve=extend_schema(summary="A run: status, attempt, credits, counts, last error",
+                           responses={200: RunDetailSerializer, **errors("not_found")}),
+    destroy=extend_schema(summary="Delete a run that was never started",
+                          responses={204: None, **errors("not_found", "invalid_transition")}),
+)
+class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
+    queryset = Run.objects.alive().order_by("-id")
+    serializer_class = RunSerializer
+    filterset_class = RunFilter
+    entity = "run"
+
+    def get_serializer_class(self):
+        return RunDetailSerializer if self.action == "retrieve" else RunSerializer
+
+    def _detail(self, run_id: int, http_status: int = status.HTTP_200_OK) -> Response:
+        return Response(RunDetailSerializer(Run.objects.get(pk=run_id)).data, status=http_status)
+
+    @extend_schema(summary="Create a run (status created)", request=RunCreateSerializer,
+                   responses={201: RunDetailSerializer, **errors("validation_error", "insufficient_credits",
+                                                                  "not_found")})
+    def create(self, request):
+        serializer = RunCreateSerializer(data=request.data)
+        valid = serializer.is_valid()
+        project_id = as_id(request.data.get("project")) if isinstance(request.data, dict) else None
+        project = visible_project(request, project_id) if project_id else None  # 404 before field errors
+        if not valid:
+            raise ValidationError(serializer.errors)
+        data = serializer.validated_data
+        run = services.run_create(project=project, name=data["name"], plan=data["plan"], priority=data["priority"],
+                                  failure_mode=data["failure_mode"], max_attempts=data["max_attempts"],
+                                  credit_limit=data.get("credit_limit"), actor=request.user, reason=data["reason"])
+        return self._detail(run.pk, status.HTTP_201_CREATED)
+
+    def destroy(self, request, pk=None):
+        services.run_delete(run_id=self.get_object().pk, actor=request.user)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    def _act(self, request, service) -> Response:
+        serializer = ActionSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        run = self.get_object()
+        service(run_id=run.pk, actor=request.user, reason=serializer.validated_data["reason"])
+        return self._detail(run.pk)
+
+    @_action_schema("Start: created → pending (reserves credits)", "insufficient_credits", "queue_full")
+    @action(detail=True, methods=["post"])
+    def start(self, request, pk=None):
+        return self._act(request, services.run_start)
+
+    @_action_schema("Cancel: refunds every credit not charged")
+    @action(detail=True, methods=["post"])
+    def cancel(self, request, pk=None):
+        return self._act(request, services.run_cancel)
+
+    @_action_schema("Pause a running run")
+    @action(detail=True, methods=["post"])
+    def pause(self, request, pk=None):
+        return self._act(request, services.run_pause)
+
+    @_action_schema("Resume a paused run", "queue_full")
+    @action(detail=True, methods=["post"])
+    def resume(self, request, pk=None):
+        return self._act(request, services.run_resume)
+
+    @_action_schema("Retry a failed run (a new attempt and reservation)", "insufficient_credits", "queue_full")
+    @action(detail=True, methods=["post"])
+    def retry(self, request, pk=None):
+        return self._act(request, services.run_retry)
+
+    @extend_schema(summary="Approve a gate the run is waiting for", request=ApproveSerializer,
+                   responses={200: RunDetailSerializer,
+                              **errors("not_found", "invalid_transition", "approval_reused", "approval_not_pending",
+                                       "queue_full")})
+    @action(detail=True, methods=["post"])
+    def approve(self, request, pk=None):
+        serializer = ApproveSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        run = self.get_object()
+        data = serializer.validated_data
+        gates.approval_grant(run_id=run.pk, gate=data["gate"], approval_ref=data["approval_ref"], actor=request.user,
+                             reason=data["reason"])
+        return self._detail(run.pk)
+
+    @extend_schema(summary="The run's events after an id", parameters=[RunEventQuerySerializer],
+                   responses={200: EventPageSerializer, **errors("validation_error", "not_found")})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def events(self, request, pk=None):
+        query = RunEventQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        run = self.get_object()
+        return Response(event_page(request, events_visible(request).filter(run_id=run.pk),
+                                   **query.validated_data))
+
+
+class EscalationFilter(filters.FilterSet):
+    status = filters.ChoiceFilter(choices=EscalationTicket.Status.choices)
+    run = VisibleIdFilter(field_name="run_id", entity="run", queryset=visible_runs)
+
+    class Meta:
+        model = EscalationTicket
+        fields = ["status", "run"]
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Escalation tickets of the caller's organizations",
+                       responses={200: EscalationSerializer(many=True), **errors("validation_error", "not_found")}),
+    retrieve=extend_schema(summary="An escalation ticket", responses={200: EscalationSerializer,
+                                                                      **errors("not_found")}),
+)
+class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
+    queryset = EscalationTicket.objects.select_related("acknowledged_by", "resolved_by").order_by("-id")
+    serializer_class = EscalationSerializer
+    filterset_class = EscalationFilter
+    entity = "escalation"
+
+    @extend_schema(summary="Acknowledge: open → acknowledged", request=ActionSerializer,
+                   responses={200: EscalationSerializer, **errors("not_found", "invalid_transition")})
+    @action(detail=True, methods=["post"])
+    def acknowledge(self, request, pk=None):
+        serializer = ActionSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        ticket = escalations.escalation_acknowledge(ticket_id=self.get_object().pk, actor=request.user,
+                                                    reason=serializer.validated_data["reason"])
+        return Response(EscalationSerializer(ticket).data)
+
+    @extend_schema(summary="Resolve with a resolution note", request=ResolveSerializer,
+                   responses={200: EscalationSerializer, **errors("not_found", "invalid_transition")})
+    @action(detail=True, methods=["post"])
+    def resolve(self, request, pk=None):
+        serializer = ResolveSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        ticket = escalations.escalation_resolve(ticket_id=self.get_object().pk, actor=request.user,
+                                                reason=serializer.validated_data["reason"])
+        return Response(EscalationSerializer(ticket).data)
+
+
+class EventListView(ApiView):
+    """The event log (outbox) for reconciliation: ``?after=<id>`` in id order, cursor paginated."""
+
+    @extend_schema(summary="Events after an id, in id order (cursor by id)", parameters=[EventQuerySerializer],
+                   responses={200: EventPageSerializer, **errors("validation_error", "not_found")})
+    def get(self, request):
+        query = EventQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        data = dict(query.validated_data)
+        queryset = events_visible(request)
+        staff_view = request.user.has_perm("core.view_event")
+        for name, finder in (("organization", lambda pk: visible_get(visible_organizations(request), request, pk,
+                                                                       entity="organization", field="id")),
+                             ("project", lambda pk: visible_project(request, pk)),
+                             ("run", lambda pk: visible_get(Run.objects.all(), request, pk, entity="run"))):
+            value = data.pop(name, None)
+            if value is None:
+                continue
+            if not staff_view:
+                finder(value)  # another organization's id: 404, like a missing one
+            queryset = queryset.filter(**{f"{name}_id": value})
+        return Response(event_page(request, queryset, **data))
+
+
+__all__ = ["RunViewSet", "EscalationViewSet", "EventListView", "organization_ids"]
