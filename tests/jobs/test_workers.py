@@ -137,3 +137,28 @@ def test_recovery_after_kill_9_with_the_redis_broker(project, tmp_path):
 
     flush_redis()
     _recovery_drill(project, tmp_path, ORCHESTRATOR_Q_NAME="recovery-redis", REDIS_URL=REDIS_TEST_URL)
+
+
+@pytest.mark.slow
+def test_stopping_a_cluster_is_bounded_and_loses_nothing(project, tmp_path):
+    import time
+
+    jobs = [job_enqueue(job_type="probe", project=project, payload={"value": n, "sleep": 0.5}).job.pk
+            for n in range(30)]
+    cluster = Cluster(tmp_path / "first.log", ORCHESTRATOR_Q_NAME="stop-drain", ORCHESTRATOR_QUEUE_DRAIN_MAX_S=2)
+    cluster.start()
+    try:
+        wait_for(lambda: Job.objects.filter(pk__in=jobs, state=JobState.COMPLETED).count() >= 2, timeout=60,
+                 message="the cluster working")
+        stopping = time.monotonic()
+        cluster.process.send_signal(signal.SIGTERM)
+        cluster.process.wait(timeout=60)
+        stopped_in = time.monotonic() - stopping
+    finally:
+        cluster.stop()
+    # One drain budget (2 s) plus the job in hand (0.5 s) plus django-q2's own shutdown.
+    assert stopped_in < 20, stopped_in
+    assert Job.objects.filter(pk__in=jobs).exclude(state=JobState.COMPLETED).exists()  # work was left over
+    with Cluster(tmp_path / "second.log", ORCHESTRATOR_Q_NAME="stop-drain"):
+        wait_for(lambda: Job.objects.filter(pk__in=jobs, state=JobState.COMPLETED).count() == len(jobs),
+                 timeout=120, interval=0.3, message="every job completed after the restart")
