@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.utils import timezone
+from django_q.exceptions import TimeoutException as QTimeout
 
 from core.errors import DomainError, ValidationFailed
 from jobs import services
@@ -129,6 +130,9 @@ def job_run_claimed(job: Job, *, worker: str) -> str:
     except JobCancelled:
         services.job_mark_cancelled(job_id=job.pk, attempt=attempt)
         return "cancelled"
+    except QTimeout as exc:  # django-q2 is killing this worker (its message ran out of time)
+        return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=str(exc), retryable=True,
+                                         reason=JobReason.SHUTDOWN_TIMEOUT)
     except JobTimeout as exc:
         if job.deadline_at is not None and job.deadline_at <= timezone.now():
             services.jobs_enforce_deadlines()

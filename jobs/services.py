@@ -364,7 +364,7 @@ def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, 
         if not retryable:
             final = reason or JobReason.FATAL
         elif job.attempts >= job.max_attempts:
-            final = JobReason.MAX_ATTEMPTS if reason != JobReason.TIMEOUT else JobReason.TIMEOUT
+            final = reason if reason in (JobReason.TIMEOUT, JobReason.SHUTDOWN_TIMEOUT) else JobReason.MAX_ATTEMPTS
         elif job.failures >= job.max_failures:
             final = JobReason.MAX_FAILURES
         else:

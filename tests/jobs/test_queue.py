@@ -184,7 +184,7 @@ def test_retryable_failure_waits_in_awaiting_tool_then_succeeds(project):
     assert job.not_before is not None  # immediate-first linear backoff: the first retry waits 0 ms
     run_next()
     job.refresh_from_db()
-    assert (job.state, job.attempts, job.failures) == (JobState.COMPLETED, 2, 1)
+    assert (job.state, job.reason, job.attempts, job.failures) == (JobState.COMPLETED, JobReason.COMPLETED, 2, 1)
 
 
 def test_exponential_backoff_holds_the_job_until_not_before(project, define_job):
@@ -388,3 +388,27 @@ def test_start_up_check_refuses_retry_not_above_timeout():
     with pytest.raises(ImproperlyConfigured):
         check_q_cluster({"timeout": 60, "retry": 60})
     check_q_cluster({"timeout": 60, "retry": 61})
+
+
+def test_a_worker_killed_by_its_message_timeout_retries_then_fails_with_shutdown_timeout(project, define_job):
+    from django_q.exceptions import TimeoutException
+
+    def killed(ctx, payload):
+        raise TimeoutException("Task exceeded maximum timeout value (60 seconds)")
+
+    define_job(type="killed", run=killed, retry=RetryPolicy(max_attempts=2, backoff="immediate_linear"))
+    job = enqueue(project, "killed")
+    run_next()
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.AWAITING_TOOL, JobReason.SHUTDOWN_TIMEOUT)
+    run_next()
+    job.refresh_from_db()
+    assert (job.state, job.reason) == (JobState.FAILED, JobReason.SHUTDOWN_TIMEOUT)
+
+
+def test_every_reason_code_is_reached_by_a_test():
+    import pathlib
+
+    sources = "".join(path.read_text() for path in pathlib.Path(__file__).parent.glob("test_*.py"))
+    unreached = [reason.name for reason in JobReason if reason.value and f"JobReason.{reason.name}" not in sources]
+    assert unreached == []
