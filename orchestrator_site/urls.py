@@ -1,10 +1,11 @@
 """URL map of the console: the admin at the root of /admin/."""
 
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 from django.views.generic import RedirectView
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
     path("admin/", admin.site.urls),
+    path("api/", include("orchestrator_site.api_urls")),
 ]

@@ -29,12 +29,14 @@ def _name_errors(value: Any) -> list[str]:
 
 
 def _check_mode(node: dict, key: str, allowed: set[str], path: str, errors: dict[str, list[str]]) -> None:
-    if key in node and node[key] not in allowed:
+    if key in node and (not isinstance(node[key], str) or node[key] not in allowed):
         errors.setdefault(f"{path}.{key}", []).append(f"must be one of {', '.join(sorted(allowed))}")
 
 
 def _dag_cycle(tasks: list[dict]) -> list[str] | None:
-    graph = {t["name"]: list(t.get("depends_on") or []) for t in tasks if isinstance(t.get("name"), str)}
+    graph = {t["name"]: [d for d in t.get("depends_on") or [] if isinstance(d, str)]
+             if isinstance(t.get("depends_on") or [], list) else []
+             for t in tasks if isinstance(t.get("name"), str)}
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -129,7 +131,7 @@ def plan_validate(plan: Any) -> dict:
                         add(f"{s_path}.name", f"duplicate step name {step['name']!r}")
                     step_names.add(step["name"])
                 kind = step.get("kind", "tool")
-                if kind not in STEP_KINDS:
+                if not isinstance(kind, str) or kind not in STEP_KINDS:
                     add(f"{s_path}.kind", f"must be one of {', '.join(sorted(STEP_KINDS))}")
                     continue
                 args = step.get("args", {})

@@ -154,8 +154,12 @@ def _validate_http(args: dict) -> list[str]:
     if not isinstance(url, str):
         errors.append("url: required, a string")
     else:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        try:
+            parsed = urllib.parse.urlparse(url)
+            valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
+        except ValueError:  # e.g. "http://[" (an unclosed IPv6 literal)
+            valid = False
+        if not valid:
             errors.append("url: must be an http(s) URL")
     method = args.get("method", "GET")
     if method not in ("GET", "POST", "PUT", "DELETE", "HEAD"):

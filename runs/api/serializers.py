@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from django.db.models import Count
+from django.db import connection
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.serializers import json_without_nul
 from core.api.tenancy import MAX_ID
 from runs.models import Agent, EscalationTicket, FailureMode, NodeStatus, Run, Step, Task
 
@@ -57,7 +58,7 @@ class PlanField(serializers.JSONField):
 class RunCreateSerializer(serializers.Serializer):
     project = serializers.IntegerField(min_value=1, max_value=MAX_ID)
     name = serializers.CharField(max_length=200)
-    plan = PlanField()
+    plan = PlanField(validators=[json_without_nul])
     priority = serializers.IntegerField(min_value=-1000, max_value=1000, default=100, help_text="lower runs first")
     failure_mode = serializers.ChoiceField(choices=FailureMode.choices, default=FailureMode.FAIL_FAST)
     max_attempts = serializers.IntegerField(min_value=1, max_value=10, default=3)
@@ -82,32 +83,73 @@ class ErrorInfoSerializer(serializers.Serializer):
     message = serializers.CharField()
 
 
-class RunSerializer(serializers.ModelSerializer):
+_DATETIME = serializers.DateTimeField(read_only=True)
+RUN_FIELDS = ("id", "organization_id", "project_id", "name", "status", "status_reason", "priority", "failure_mode",
+              "max_agents", "attempt_number", "max_attempts", "credit_limit", "credits_reserved", "credits_charged",
+              "credits_refunded", "replan_count")
+RUN_TIMES = ("created_at", "updated_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
+             "last_heartbeat")
+
+
+def run_as_dict(run: Run) -> dict:
+    """A run's API form (built directly: this is the hot path of GET runs/ and runs/{id}/)."""
+    data = {name.removesuffix("_id"): getattr(run, name) for name in RUN_FIELDS}
+    data["last_error"] = {"code": run.last_error_code, "message": run.last_error} if run.last_error_code else None
+    for name in RUN_TIMES:
+        value = getattr(run, name)
+        data[name] = _DATETIME.to_representation(value) if value is not None else None
+    data["duration_ms"] = run.duration_ms
+    return data
+
+
+class RunSerializer(serializers.Serializer):
     """A run in lists: state, attempt, credits, last error and timestamps."""
 
-    status = serializers.ChoiceField(choices=Run.Status.choices, read_only=True)
-    last_error = serializers.SerializerMethodField()
+    id = serializers.IntegerField()
+    organization = serializers.IntegerField()
+    project = serializers.IntegerField()
+    name = serializers.CharField()
+    status = serializers.ChoiceField(choices=Run.Status.choices)
+    status_reason = serializers.CharField(allow_blank=True,
+                                          help_text="why it is paused or stopped, e.g. awaiting_approval:publish")
+    priority = serializers.IntegerField()
+    failure_mode = serializers.ChoiceField(choices=FailureMode.choices)
+    max_agents = serializers.IntegerField()
+    attempt_number = serializers.IntegerField()
+    max_attempts = serializers.IntegerField()
+    credit_limit = serializers.IntegerField(help_text="credits reserved for each attempt")
+    credits_reserved = serializers.IntegerField()
+    credits_charged = serializers.IntegerField()
+    credits_refunded = serializers.IntegerField()
+    replan_count = serializers.IntegerField()
+    last_error = ErrorInfoSerializer(allow_null=True)
+    created_at = serializers.DateTimeField()
+    updated_at = serializers.DateTimeField()
+    status_changed_at = serializers.DateTimeField(allow_null=True)
+    started_at = serializers.DateTimeField(allow_null=True)
+    completed_at = serializers.DateTimeField(allow_null=True)
+    cancelled_at = serializers.DateTimeField(allow_null=True)
+    last_heartbeat = serializers.DateTimeField(allow_null=True)
+    duration_ms = serializers.IntegerField(allow_null=True)
 
-    class Meta:
-        model = Run
-        fields = ["id", "organization", "project", "name", "status", "status_reason", "priority", "failure_mode",
-                  "max_agents", "attempt_number", "max_attempts", "credit_limit", "credits_reserved",
-                  "credits_charged", "credits_refunded", "replan_count", "last_error", "created_at",
-                  "updated_at", "status_changed_at", "started_at", "completed_at", "cancelled_at", "duration_ms",
-                  "last_heartbeat"]
-        read_only_fields = fields
-
-    @extend_schema_field(ErrorInfoSerializer(allow_null=True))
-    def get_last_error(self, run: Run):
-        if not run.last_error_code:
-            return None
-        return {"code": run.last_error_code, "message": run.last_error}
+    def to_representation(self, instance: Run) -> dict:
+        return run_as_dict(instance)
 
 
-def _counts(queryset) -> dict[str, int]:
-    counts = {status: 0 for status in NodeStatus.values}
-    for row in queryset.values("status").annotate(n=Count("id")).order_by():
-        counts[row["status"]] = row["n"]
+def _node_counts(run: Run) -> dict[str, dict[str, int]]:
+    """Agents, tasks and steps of the run's current attempt by status, in one query."""
+    agent, task, step = Agent._meta.db_table, Task._meta.db_table, Step._meta.db_table
+    sql = (f"SELECT 'agents', a.status, COUNT(*) FROM {agent} a WHERE a.run_id = %s AND a.attempt_number = %s "
+           f"GROUP BY a.status "
+           f"UNION ALL SELECT 'tasks', t.status, COUNT(*) FROM {task} t JOIN {agent} a ON t.agent_id = a.id "
+           f"WHERE t.run_id = %s AND a.attempt_number = %s GROUP BY t.status "
+           f"UNION ALL SELECT 'steps', s.status, COUNT(*) FROM {step} s JOIN {task} t ON s.task_id = t.id "
+           f"JOIN {agent} a ON t.agent_id = a.id WHERE s.run_id = %s AND a.attempt_number = %s GROUP BY s.status")
+    counts = {level: {status: 0 for status in NodeStatus.values} for level in ("agents", "tasks", "steps")}
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run.pk, run.attempt_number] * 3)
+        for level, status, number in cursor.fetchall():
+            counts[level][status] = number
     return counts
 
 
@@ -130,21 +172,11 @@ class RunCountsSerializer(serializers.Serializer):
 class RunDetailSerializer(RunSerializer):
     """A run with its plan and the counts of its current attempt's agents, tasks and steps."""
 
-    plan = PlanField(read_only=True)
-    counts = serializers.SerializerMethodField(help_text="agents, tasks and steps of the current attempt by status")
+    plan = PlanField()
+    counts = RunCountsSerializer(help_text="agents, tasks and steps of the current attempt by status")
 
-    class Meta(RunSerializer.Meta):
-        fields = RunSerializer.Meta.fields + ["plan", "counts"]
-        read_only_fields = fields
-
-    @extend_schema_field(RunCountsSerializer)
-    def get_counts(self, run: Run):
-        attempt = run.attempt_number
-        return {
-            "agents": _counts(Agent.objects.filter(run=run, attempt_number=attempt)),
-            "tasks": _counts(Task.objects.filter(run=run, agent__attempt_number=attempt)),
-            "steps": _counts(Step.objects.filter(run=run, task__agent__attempt_number=attempt)),
-        }
+    def to_representation(self, instance: Run) -> dict:
+        return {**run_as_dict(instance), "plan": instance.plan, "counts": _node_counts(instance)}
 
 
 class EscalationSerializer(serializers.ModelSerializer):

@@ -15,13 +15,13 @@ from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_visible
+from core.api.filters import UtcIsoDateTimeFilter
 from core.api.schema import errors
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
     VisibleIdFilter,
     as_id,
-    organization_ids,
     visible,
     visible_get,
     visible_organizations,
@@ -48,15 +48,12 @@ def visible_runs(request):
 class RunFilter(filters.FilterSet):
     project = VisibleIdFilter(field_name="project_id", entity="project", queryset=visible_projects)
     status = filters.ChoiceFilter(choices=Run.Status.choices)
-    created_after = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
-    created_before = filters.IsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
+    created_after = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="gte")
+    created_before = UtcIsoDateTimeFilter(field_name="created_at", lookup_expr="lt")
 
     class Meta:
         model = Run
         fields = ["project", "status", "created_after", "created_before"]
-
-
-ACTION_ERRORS = errors("not_found", "invalid_transition")
 
 
 def _action_schema(summary: str, *codes: str):
@@ -83,11 +80,15 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     filterset_class = RunFilter
     entity = "run"
 
+    def get_queryset(self):
+        queryset = super().get_queryset()
+        return queryset.defer("plan") if self.action == "list" else queryset  # plans can be large
+
     def get_serializer_class(self):
         return RunDetailSerializer if self.action == "retrieve" else RunSerializer
 
-    def _detail(self, run_id: int, http_status: int = status.HTTP_200_OK) -> Response:
-        return Response(RunDetailSerializer(Run.objects.get(pk=run_id)).data, status=http_status)
+    def _detail(self, run: Run, http_status: int = status.HTTP_200_OK) -> Response:
+        return Response(RunDetailSerializer(run).data, status=http_status)
 
     @extend_schema(summary="Create a run (status created)", request=RunCreateSerializer,
                    responses={201: RunDetailSerializer, **errors("validation_error", "insufficient_credits",
@@ -96,14 +97,14 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         serializer = RunCreateSerializer(data=request.data)
         valid = serializer.is_valid()
         project_id = as_id(request.data.get("project")) if isinstance(request.data, dict) else None
-        project = visible_project(request, project_id) if project_id else None  # 404 before field errors
+        project = self.project_visible(request, project_id) if project_id else None  # 404 before field errors
         if not valid:
             raise ValidationError(serializer.errors)
         data = serializer.validated_data
         run = services.run_create(project=project, name=data["name"], plan=data["plan"], priority=data["priority"],
                                   failure_mode=data["failure_mode"], max_attempts=data["max_attempts"],
                                   credit_limit=data.get("credit_limit"), actor=request.user, reason=data["reason"])
-        return self._detail(run.pk, status.HTTP_201_CREATED)
+        return self._detail(run, status.HTTP_201_CREATED)
 
     def destroy(self, request, pk=None):
         services.run_delete(run_id=self.get_object().pk, actor=request.user)
@@ -112,9 +113,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     def _act(self, request, service) -> Response:
         serializer = ActionSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
-        run = self.get_object()
-        service(run_id=run.pk, actor=request.user, reason=serializer.validated_data["reason"])
-        return self._detail(run.pk)
+        run = service(run_id=self.get_object().pk, actor=request.user, reason=serializer.validated_data["reason"])
+        return self._detail(run)  # the service's own copy, saved under the row lock
 
     @_action_schema("Start: created → pending (reserves credits)", "insufficient_credits", "queue_full")
     @action(detail=True, methods=["post"])
@@ -153,7 +153,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         data = serializer.validated_data
         gates.approval_grant(run_id=run.pk, gate=data["gate"], approval_ref=data["approval_ref"], actor=request.user,
                              reason=data["reason"])
-        return self._detail(run.pk)
+        return self._detail(Run.objects.get(pk=run.pk))
 
     @extend_schema(summary="The run's events after an id", parameters=[RunEventQuerySerializer],
                    responses={200: EventPageSerializer, **errors("validation_error", "not_found")})
@@ -231,5 +231,3 @@ class EventListView(ApiView):
             queryset = queryset.filter(**{f"{name}_id": value})
         return Response(event_page(request, queryset, **data))
 
-
-__all__ = ["RunViewSet", "EscalationViewSet", "EventListView", "organization_ids"]

@@ -1,0 +1,52 @@
+"""Balances and the append-only ledger (read-only)."""
+
+from __future__ import annotations
+
+from django.apps import apps
+from django_filters import rest_framework as filters
+from drf_spectacular.utils import extend_schema, extend_schema_view
+from rest_framework import mixins
+from rest_framework.response import Response
+
+from billing.api.serializers import BalanceSerializer, LedgerEntrySerializer
+from billing.models import LedgerEntry
+from billing.selectors import account_balance
+from core.api.base import ApiView, ApiViewSet
+from core.api.schema import errors
+from core.api.tenancy import VisibleIdFilter, visible, visible_get, visible_organizations
+
+
+def _visible_runs(request):
+    # billing does not import runs: the ledger refers to runs by a lazy model reference.
+    return visible(apps.get_model("runs", "Run").objects.all(), request)
+
+
+class BalanceView(ApiView):
+    @extend_schema(summary="An organization's credits: balance, reserved, available",
+                   responses={200: BalanceSerializer, **errors("not_found")})
+    def get(self, request, pk: int):
+        organization = visible_get(visible_organizations(request), request, pk, entity="organization", field="id")
+        return Response(account_balance(organization_id=organization.pk))
+
+
+class LedgerFilter(filters.FilterSet):
+    organization = VisibleIdFilter(field_name="organization_id", entity="organization",
+                                   queryset=visible_organizations)
+    run = VisibleIdFilter(field_name="run_id", entity="run", queryset=_visible_runs)
+    kind = filters.ChoiceFilter(choices=LedgerEntry.Kind.choices)
+
+    class Meta:
+        model = LedgerEntry
+        fields = ["organization", "run", "kind"]
+
+
+@extend_schema_view(
+    list=extend_schema(summary="Ledger entries of the caller's organizations (by run, kind)",
+                       responses={200: LedgerEntrySerializer(many=True), **errors("validation_error", "not_found")}),
+    retrieve=extend_schema(summary="A ledger entry", responses={200: LedgerEntrySerializer, **errors("not_found")}),
+)
+class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
+    queryset = LedgerEntry.objects.order_by("-id")
+    serializer_class = LedgerEntrySerializer
+    filterset_class = LedgerFilter
+    entity = "ledger entry"

@@ -1,0 +1,1 @@
+"""The API's shared parts: errors, tenancy, idempotency keys, pagination, schema, base views."""

@@ -1,0 +1,83 @@
+"""Serializers of tenancy, events and health."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from core.api.tenancy import MAX_ID
+from core.models import Organization, Project
+
+
+class OrganizationSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Organization
+        fields = ["id", "name", "created_at"]
+        read_only_fields = fields
+
+
+class ProjectSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Project
+        fields = ["id", "organization", "name", "created_at"]
+        read_only_fields = fields
+
+
+class EventSerializer(serializers.Serializer):
+    """An event envelope: fixed fields, then the event's own payload fields."""
+
+    id = serializers.IntegerField()
+    type = serializers.CharField()
+    ts = serializers.DateTimeField()
+    organization = serializers.IntegerField(allow_null=True)
+    project = serializers.IntegerField(allow_null=True)
+    run = serializers.IntegerField(allow_null=True)
+
+
+class EventPageSerializer(serializers.Serializer):
+    results = EventSerializer(many=True)
+    next = serializers.CharField(allow_null=True, help_text="the URL of the next page (null: caught up)")
+    last_id = serializers.IntegerField(allow_null=True, help_text="pass it as `after` to read on")
+
+
+class EventQuerySerializer(serializers.Serializer):
+    after = serializers.IntegerField(min_value=0, max_value=MAX_ID, default=0,
+                                     help_text="only events with a larger id")
+    limit = serializers.IntegerField(min_value=1, max_value=500, default=100)
+    run = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
+    project = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
+    organization = serializers.IntegerField(min_value=1, max_value=MAX_ID, required=False)
+
+
+class HealthPartSerializer(serializers.Serializer):
+    ok = serializers.BooleanField()
+    detail = serializers.CharField(required=False)
+
+
+class HealthSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=["ok", "failing"])
+    failing = serializers.ListField(child=serializers.CharField(), help_text="names of the failing parts")
+    database = serializers.DictField()
+    broker = serializers.DictField()
+    workers = serializers.DictField()
+    relay = serializers.JSONField(help_text='the relay cursor and its lag, or "not running"')
+    queue = serializers.DictField()
+
+
+class PingSerializer(serializers.Serializer):
+    pong = serializers.BooleanField()
+
+
+def _contains_nul(value) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_contains_nul(key) or _contains_nul(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(_contains_nul(item) for item in value)
+    return False
+
+
+def json_without_nul(value) -> None:
+    """JSON fields: PostgreSQL cannot store a NUL character (``\\u0000``) in text or jsonb."""
+    if _contains_nul(value):
+        raise serializers.ValidationError("must not contain NUL (\\u0000) characters")
