@@ -27,7 +27,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections, connection
+from django.db import close_old_connections
 
 logger = logging.getLogger("orchestrator.relay")
 
@@ -73,8 +73,7 @@ def _fetch(after: int) -> list[dict]:
     try:
         return events_after(after)
     finally:
-        if connection.vendor == "sqlite":
-            connection.close()
+        close_old_connections()  # give a pooled connection back between reads
 
 
 def _latest_id() -> int:
@@ -83,7 +82,10 @@ def _latest_id() -> int:
     from core.models import Event
 
     close_old_connections()
-    return Event.objects.aggregate(m=Max("id"))["m"] or 0
+    try:
+        return Event.objects.aggregate(m=Max("id"))["m"] or 0
+    finally:
+        close_old_connections()
 
 
 @dataclass(eq=False)

@@ -104,14 +104,21 @@ SQLITE_PATH = Path(env_str("ORCHESTRATOR_SQLITE_PATH", str(BASE_DIR / "var" / "d
 DATABASE_URL = os.environ.get("DATABASE_URL", "").strip()
 DB_CONN_MAX_AGE = env_int("DB_CONN_MAX_AGE", 600)
 
+# 0: persistent per-thread connections (workers: django-q2 forks, and a pool must not cross a
+# fork). > 0: a per-process psycopg pool, for daphne, where each request may run in another
+# thread (run_console sets it for its daphne child).
+DB_POOL_MAX_SIZE = env_int("DB_POOL_MAX_SIZE", 0)
+
 if DATABASE_URL:
-    DATABASES = {
-        "default": dj_database_url.parse(
-            DATABASE_URL, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True
-        )
-    }
-    if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
-        DATABASES["default"].setdefault("OPTIONS", {})
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL)}
+    if DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql") and DB_POOL_MAX_SIZE > 0:
+        DATABASES["default"]["CONN_MAX_AGE"] = 0
+        DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+            "min_size": 1, "max_size": DB_POOL_MAX_SIZE, "timeout": 30, "max_idle": 300,
+        }
+    else:
+        DATABASES["default"]["CONN_MAX_AGE"] = DB_CONN_MAX_AGE
+        DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 else:
     SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
     DATABASES = {

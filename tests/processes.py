@@ -122,7 +122,7 @@ class Daphne:
 
     def __init__(self, log_path: Path, **env_overrides):
         self.log_path = log_path
-        self.env = worker_env(**env_overrides)
+        self.env = worker_env(**{"DB_POOL_MAX_SIZE": 8, **env_overrides})
         self.port = free_port()
         self.process: subprocess.Popen | None = None
 

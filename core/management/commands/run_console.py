@@ -28,7 +28,10 @@ class Command(BaseCommand):
         base = [sys.executable]
         daphne = base + ["-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
                          "orchestrator_site.asgi:application"]
-        children = [("daphne", subprocess.Popen(daphne, cwd=settings.BASE_DIR, start_new_session=True))]
+        # daphne runs each request in some thread: pool PostgreSQL connections there.
+        web_env = {**os.environ, "DB_POOL_MAX_SIZE": os.environ.get("DB_POOL_MAX_SIZE") or "8"}
+        children = [("daphne", subprocess.Popen(daphne, cwd=settings.BASE_DIR, env=web_env,
+                                                start_new_session=True))]
         if not options["no_workers"]:
             cluster = base + [str(settings.BASE_DIR / "manage.py"), "qcluster"]
             children.append(("qcluster", subprocess.Popen(cluster, cwd=settings.BASE_DIR, start_new_session=True)))
