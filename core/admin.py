@@ -1,7 +1,9 @@
-"""Admin for tenancy, events and audit (read-only: these change only through services)."""
+"""Admin for tenancy, events and audit (read-only: these change only through services;
+events and audit records can never be deleted)."""
 
 from django.contrib import admin
 
+from core.admin_runbooks import recent_filter
 from core.models import AuditRecord, Event, Membership, Organization, Project
 
 
@@ -65,8 +67,9 @@ class MembershipAdmin(ReadOnlyAdmin):
 @admin.register(Event)
 class EventAdmin(ReadOnlyAdmin):
     list_display = ("id", "type", "organization", "project", "run_id", "created_at")
-    list_filter = ("type", ("created_at", admin.DateFieldListFilter))
-    list_select_related = ("organization", "project")
+    list_filter = ("type", "organization", recent_filter("created_at", "written"),
+                   ("created_at", admin.DateFieldListFilter))
+    list_select_related = ("organization", "project", "project__organization")
     search_fields = ("type", "=run_id")
     show_full_result_count = False
 
@@ -74,6 +77,8 @@ class EventAdmin(ReadOnlyAdmin):
 @admin.register(AuditRecord)
 class AuditRecordAdmin(ReadOnlyAdmin):
     list_display = ("id", "created_at", "actor_label", "action", "target_type", "target_id", "reason")
-    list_filter = ("action", "target_type", ("created_at", admin.DateFieldListFilter))
-    search_fields = ("actor_label", "action", "=target_id", "reason")
+    list_filter = ("action", "target_type", "organization", recent_filter("created_at", "recorded"),
+                   ("created_at", admin.DateFieldListFilter))
+    list_select_related = ("organization",)
+    search_fields = ("actor_label", "action", "=target_id", "=run_id", "reason")
     show_full_result_count = False

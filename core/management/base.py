@@ -1,17 +1,63 @@
-"""What every runbook command shares: domain errors become ``CommandError``, never a traceback."""
+"""What every runbook command shares: domain errors become ``CommandError``, never a traceback.
+
+``RunbookActionCommand`` is the shell face of a ``core.runbooks.Runbook``: ``<command> ID [ID ...]
+--reason TEXT [--dry-run] [--as USERNAME] [--json]``. It plans or applies the runbook to each
+object, prints one line per object (done, skipped and why, refused and why) and ends with a
+``CommandError`` when any object was refused.
+"""
 
 from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import sys
+from contextlib import contextmanager
 
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import DomainError
+from core.runbooks import DONE, PLANNED, REFUSED, SKIPPED, Runbook, describe_error, runbook_execute
+
+__all__ = ["RunbookCommand", "RunbookActionCommand", "ShellActor", "describe_error", "progress_bar"]
 
 
-def describe_error(exc: DomainError) -> str:
-    errors = getattr(exc, "errors", None) or {}
-    details = "; ".join(f"{field}: {', '.join(messages)}" for field, messages in errors.items())
-    return f"{exc.code}: {exc.detail}" + (f" ({details})" if details else "")
+class ShellActor:
+    """The person at the shell when no ``--as`` user is named: audited by label only
+    (``shell:<os user>``), with no user row behind it."""
+
+    pk = None
+
+    def __init__(self, label: str | None = None) -> None:
+        self.username = label or f"shell:{_os_user()}"
+
+    def get_username(self) -> str:
+        return self.username
+
+    def __str__(self) -> str:
+        return self.username
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no login name in this environment (containers, cron)
+        return "unknown"
+
+
+@contextmanager
+def progress_bar(total: int, description: str):
+    """A rich progress bar on an interactive stderr; nothing otherwise. Yields ``advance()``."""
+    if total < 2 or not sys.stderr.isatty():
+        yield lambda *args: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=True) as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda *args: progress.advance(task)
 
 
 class RunbookCommand(BaseCommand):
@@ -31,3 +77,94 @@ class RunbookCommand(BaseCommand):
         if user is None:
             raise CommandError(f"user {username!r} does not exist")
         return user
+
+    @classmethod
+    def resolve_operator(cls, username: str | None):
+        """The audit actor of a runbook: the ``--as`` user, or the shell user by label."""
+        return cls.resolve_actor(username) or ShellActor()
+
+
+def positive_id(value: str) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an id (a whole number greater than zero)")
+    return number
+
+
+class RunbookActionCommand(RunbookCommand):
+    """Apply one runbook to objects given by id (subclasses set ``runbook``, ``model`` and ``noun``)."""
+
+    runbook: Runbook
+    model = None
+    noun = "object"
+    many = True
+
+    def add_arguments(self, parser):
+        parser.add_argument("ids", nargs="+" if self.many else None, type=positive_id, metavar=self.noun.upper(),
+                            help=f"{self.noun} id{'s' if self.many else ''}")
+        parser.add_argument("--reason", required=True, help="why: recorded in the audit trail")
+        parser.add_argument("--dry-run", action="store_true", help="show what would happen; change nothing")
+        parser.add_argument("--as", dest="as_user", metavar="USERNAME",
+                            help="the user recorded as the actor (default: the shell user, by name)")
+        parser.add_argument("--json", action="store_true", help="print the results as JSON")
+        self.add_runbook_arguments(parser)
+
+    def add_runbook_arguments(self, parser) -> None:
+        """Arguments of this runbook (``--amount``, ``--gate`` ...)."""
+
+    def runbook_options(self, options) -> dict:
+        return {}
+
+    def targets(self, options) -> list:
+        ids = options["ids"] if self.many else [options["ids"]]
+        found = {obj.pk: obj for obj in self.model.objects.filter(pk__in=ids)}
+        missing = [str(pk) for pk in ids if pk not in found]
+        if missing:
+            raise CommandError(f"{self.noun} {', '.join(missing)} does not exist")
+        return [found[pk] for pk in dict.fromkeys(ids)]
+
+    def handle(self, *args, **options):
+        reason = (options["reason"] or "").strip()
+        if not reason:
+            raise CommandError("--reason must not be empty: say why, it is recorded in the audit trail")
+        actor = self.resolve_operator(options["as_user"])
+        runbook_options = self.runbook_options(options)
+        targets = self.targets(options)
+        self.report(self.apply(targets, actor=actor, reason=reason, runbook_options=runbook_options,
+                               dry_run=options["dry_run"]), options)
+
+    def apply(self, targets: list, *, actor, reason: str, runbook_options: dict, dry_run: bool) -> list:
+        verb = "planning" if dry_run else self.runbook.title.lower()
+        with progress_bar(len(targets), f"{verb} {len(targets)} {self.noun}s") as advance:
+            return runbook_execute(self.runbook, targets, actor=actor, reason=reason, options=runbook_options,
+                                   dry_run=dry_run, on_each=advance)
+
+    def report(self, outcomes: list, options) -> None:
+        counts = {result: sum(1 for outcome in outcomes if outcome.result == result)
+                  for result in (DONE, PLANNED, SKIPPED, REFUSED)}
+        if options["json"]:
+            self.stdout.write(json.dumps({
+                "action": self.runbook.name, "dry_run": options["dry_run"],
+                "results": [{self.noun: outcome.target.pk, "result": outcome.result, "detail": outcome.detail}
+                            for outcome in outcomes],
+                **counts,
+            }))
+        else:
+            styles = {DONE: self.style.SUCCESS, PLANNED: self.style.NOTICE, SKIPPED: self.style.WARNING,
+                      REFUSED: self.style.ERROR}
+            prefix = "dry run: " if options["dry_run"] else ""
+            for outcome in outcomes:
+                label = "would do" if outcome.result == PLANNED else outcome.result
+                self.stdout.write(styles[outcome.result](
+                    f"{prefix}{self.noun} {outcome.target.pk}: {label}: {outcome.detail}"))
+            if len(outcomes) > 1 or not outcomes:
+                self.stdout.write(", ".join(f"{n} {result}" for result, n in counts.items() if n) or "nothing to do")
+        refused = [outcome for outcome in outcomes if outcome.result == REFUSED]
+        if len(refused) == 1 and len(outcomes) == 1:
+            raise CommandError(f"{self.noun} {refused[0].target.pk}: {refused[0].detail}")
+        if refused:
+            raise CommandError(f"{len(refused)} of {len(outcomes)} {self.noun}s refused: "
+                               + "; ".join(f"{o.target.pk}: {o.detail}" for o in refused[:5]))

@@ -1,0 +1,256 @@
+"""What every runbook admin shares: confirmation, permission, per-object report, list filters.
+
+A runbook action (``@admin.action(permissions=[...])``) shows an intermediate page listing the
+selected objects with the state change and the credits at stake and asks for a reason (and
+the action's own fields); once confirmed it applies the runbook object by object through
+``core.runbooks.runbook_execute`` (the services write our audit records), writes Django's
+admin ``LogEntry`` for each object changed and reports per object what happened. The same
+action is offered as a button on the object's page (``<id>/runbook/<action>/``).
+
+Our model admins are read-only (no change permission), so an action requires the view
+permission plus its own specific permission (``has_<action>_permission``).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django import forms
+from django.contrib import admin, messages
+from django.contrib.admin import helpers
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import PermissionDenied
+from django.db.models import Count
+from django.http import Http404, HttpResponseBase, HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils import timezone
+
+from core.runbooks import DONE, REFUSED, SKIPPED, Runbook, runbook_execute, runbook_plan
+
+# More than this: use the management command. The confirmation posts one field per object, and
+# Django refuses more than DATA_UPLOAD_MAX_NUMBER_FIELDS (1,000) fields in a request.
+RUNBOOK_MAX_OBJECTS = 500
+REPORT_PER_OBJECT = 25  # past this many objects, the rest is summed up per result
+CONFIRM_FIELD = "runbook_confirm"
+
+
+def operator_permission(permission: str):
+    """``has_<action>_permission``: the view permission plus ``permission`` (``app.codename``)."""
+
+    def check(self, request, obj=None):
+        return self.has_view_permission(request, obj) and request.user.has_perm(permission)
+
+    check.__doc__ = f"View permission plus ``{permission}``."
+    return check
+
+
+class RunbookForm(forms.Form):
+    """The reason every runbook asks for; subclasses add the action's own fields."""
+
+    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 80}), max_length=2000,
+                             error_messages={"required": "A reason is required."},
+                             help_text="Why you do this. Recorded in the audit trail with your name.")
+
+    def clean_reason(self):
+        reason = (self.cleaned_data.get("reason") or "").strip()
+        if not reason:
+            raise forms.ValidationError("A reason is required.")
+        return reason
+
+    def runbook_options(self) -> dict:
+        """The options for the runbook: every cleaned field except the reason."""
+        if self.is_bound:
+            data = getattr(self, "cleaned_data", None) or {}
+        else:
+            data = {name: self.get_initial_for_field(field, name) for name, field in self.fields.items()}
+        return {name: value for name, value in data.items() if name != "reason"}
+
+
+class RunbookAdminMixin:
+    """Confirmation pages, change-page buttons and per-object reports for runbook actions.
+
+    Subclasses list their runbooks in ``runbooks`` (action name → ``Runbook``, the name being
+    the admin action's name) and their extra forms in ``runbook_forms``.
+    """
+
+    change_form_template = "admin/runbook_change_form.html"
+    runbook_confirm_template = "admin/runbook_confirm.html"
+    runbooks: dict[str, Runbook] = {}
+    runbook_forms: dict[str, type[RunbookForm]] = {}
+
+    # --- the action ------------------------------------------------------------------------
+    def runbook_respond(self, request, queryset, runbook: Runbook):
+        """The body of every runbook action: confirm, then apply and report."""
+        objects = list(queryset.order_by("pk")[:RUNBOOK_MAX_OBJECTS + 1])
+        if len(objects) > RUNBOOK_MAX_OBJECTS:
+            self.message_user(request, f"{runbook.title}: select at most {RUNBOOK_MAX_OBJECTS} objects here; "
+                                       "use the management command for more. Nothing was changed.", messages.ERROR)
+            return None
+        form_class = self.runbook_forms.get(runbook.name, RunbookForm)
+        if request.method == "POST" and request.POST.get(CONFIRM_FIELD) == runbook.name:
+            form = form_class(request.POST)
+            if form.is_valid():
+                self.runbook_apply(request, runbook, objects, reason=form.cleaned_data["reason"],
+                                   options=form.runbook_options())
+                return None
+        else:
+            form = form_class(initial=self.runbook_initial(runbook, objects))
+        return self.runbook_confirm_page(request, runbook, objects, form)
+
+    def runbook_initial(self, runbook: Runbook, objects: list) -> dict:
+        """Initial values of the confirmation form's extra fields (override per admin)."""
+        return {}
+
+    def runbook_apply(self, request, runbook: Runbook, objects: list, *, reason: str, options: dict) -> list:
+        outcomes = runbook_execute(runbook, objects, actor=request.user, reason=reason, options=options)
+        for outcome in outcomes:
+            if outcome.result == DONE:
+                self.log_change(request, outcome.target, f"{runbook.title}: {outcome.detail}. Reason: {reason}")
+        self.runbook_report(request, runbook, outcomes)
+        return outcomes
+
+    def runbook_report(self, request, runbook: Runbook, outcomes: list) -> None:
+        levels = {DONE: messages.SUCCESS, SKIPPED: messages.WARNING, REFUSED: messages.ERROR}
+        noun = self.model._meta.verbose_name
+        for outcome in outcomes[:REPORT_PER_OBJECT]:
+            self.message_user(request, f"{runbook.title} — {noun} {outcome.target.pk}: {outcome.result}: "
+                                       f"{outcome.detail}", levels.get(outcome.result, messages.INFO))
+        rest = outcomes[REPORT_PER_OBJECT:]
+        for result in (DONE, SKIPPED, REFUSED):
+            same = [outcome for outcome in rest if outcome.result == result]
+            if same:
+                ids = ", ".join(str(outcome.target.pk) for outcome in same)
+                self.message_user(request, f"{runbook.title} — {len(same)} more {result}: {ids}", levels[result])
+
+    def runbook_confirm_page(self, request, runbook: Runbook, objects: list, form: RunbookForm):
+        opts = self.model._meta
+        preview = form.runbook_options()
+        rows = []
+        for obj in objects:
+            plan = runbook_plan(runbook, obj, preview)
+            rows.append({"object": obj, "plan": plan,
+                         "url": reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(obj.pk)])})
+        single = getattr(request, "runbook_object", None)
+        back = (reverse(f"admin:{opts.app_label}_{opts.model_name}_change", args=[quote(single.pk)]) if single
+                else reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"{runbook.title}: are you sure?",
+            "subtitle": None,
+            "opts": opts,
+            "app_label": opts.app_label,
+            "runbook": runbook,
+            "rows": rows,
+            "to_do": sum(1 for row in rows if row["plan"].applies),
+            "to_refuse": sum(1 for row in rows if row["plan"].refusal and not row["plan"].skip),
+            "to_skip": sum(1 for row in rows if row["plan"].skip),
+            "form": form,
+            "media": self.media + form.media,
+            "action_name": runbook.name,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "confirm_field": CONFIRM_FIELD,
+            "back_url": back,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, self.runbook_confirm_template, context)
+
+    # --- the per-object buttons ---------------------------------------------------------------
+    def get_urls(self):
+        opts = self.model._meta
+        urls = [path("<path:object_id>/runbook/<str:action>/", self.admin_site.admin_view(self.runbook_object_view),
+                     name=f"{opts.app_label}_{opts.model_name}_runbook")]
+        return urls + super().get_urls()
+
+    def runbook_object_view(self, request, object_id, action):
+        """One runbook action on one object: the same action function, its confirmation and report."""
+        obj = self.get_object(request, unquote(object_id))
+        if obj is None:
+            raise Http404(f"{self.model._meta.verbose_name} {object_id} does not exist")
+        actions = self.get_actions(request)
+        if action not in self.runbooks or action not in actions:
+            raise PermissionDenied
+        request.runbook_object = obj
+        function = actions[action][0]
+        response = function(self, request, self.get_queryset(request).filter(pk=obj.pk))
+        if isinstance(response, HttpResponseBase):
+            return response
+        opts = self.model._meta
+        return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_change",
+                                            args=[quote(obj.pk)]))
+
+    def runbook_buttons(self, request, obj) -> list[dict]:
+        """The runbook actions this user may take on ``obj`` that apply to its current state."""
+        if obj is None:
+            return []
+        actions = self.get_actions(request)
+        opts = self.model._meta
+        buttons = []
+        for name, runbook in self.runbooks.items():
+            if name not in actions:
+                continue
+            plan = runbook_plan(runbook, obj, self.runbook_forms.get(name, RunbookForm)(
+                initial=self.runbook_initial(runbook, [obj])).runbook_options())
+            if not plan.applies:
+                continue
+            buttons.append({"name": name, "title": runbook.title, "change": plan.change,
+                            "url": reverse(f"admin:{opts.app_label}_{opts.model_name}_runbook",
+                                           args=[quote(obj.pk), name])})
+        return buttons
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        obj = self.get_object(request, unquote(object_id))
+        extra_context = {**(extra_context or {}), "runbook_buttons": self.runbook_buttons(request, obj)}
+        return super().change_view(request, object_id, form_url, extra_context)
+
+
+# --- list filters an incident needs ---------------------------------------------------------
+
+RECENT_WINDOWS = {"15m": timedelta(minutes=15), "1h": timedelta(hours=1), "24h": timedelta(hours=24),
+                  "7d": timedelta(days=7)}
+RECENT_LABELS = {"15m": "Last 15 minutes", "1h": "Last hour", "24h": "Last 24 hours", "7d": "Last 7 days"}
+
+
+def recent_filter(field: str, title: str):
+    """A list filter: ``field`` within the last 15 minutes, hour, day or week."""
+
+    class RecentFilter(admin.SimpleListFilter):
+        parameter_name = f"{field}_within"
+
+        def lookups(self, request, model_admin):
+            return list(RECENT_LABELS.items())
+
+        def queryset(self, request, queryset):
+            window = RECENT_WINDOWS.get(self.value() or "")
+            if window is None:
+                return queryset
+            return queryset.filter(**{f"{field}__gte": timezone.now() - window})
+
+    RecentFilter.title = title
+    RecentFilter.__name__ = f"Recent{field.title().replace('_', '')}Filter"
+    return RecentFilter
+
+
+def top_values_filter(field: str, title: str, *, limit: int = 20):
+    """A list filter over the ``limit`` most frequent non-empty values of ``field`` (error codes ...).
+    Any other value can still be given in the URL."""
+
+    class TopValuesFilter(admin.SimpleListFilter):
+        parameter_name = field
+
+        def lookups(self, request, model_admin):
+            rows = (model_admin.model._default_manager.exclude(**{field: ""}).values(field)
+                    .annotate(n=Count("pk")).order_by("-n", field)[:limit])
+            choices = [(row[field], f"{row[field]} ({row['n']})") for row in rows]
+            if self.value() and self.value() not in {value for value, _ in choices}:
+                choices.append((self.value(), self.value()))
+            return choices
+
+        def queryset(self, request, queryset):
+            if self.value():
+                return queryset.filter(**{field: self.value()})
+            return queryset
+
+    TopValuesFilter.title = title
+    TopValuesFilter.__name__ = f"Top{field.title().replace('_', '')}Filter"
+    return TopValuesFilter
