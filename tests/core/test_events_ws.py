@@ -205,3 +205,23 @@ def test_a_burst_of_1000_events_reaches_100_clients_complete_and_in_order(member
             await communicator.disconnect()
 
     asyncio.run(scenario())
+
+
+def test_an_api_token_in_the_first_message_authenticates(org_factory):
+    from rest_framework.authtoken.models import Token
+
+    organization, project, owner = org_factory()
+    token = Token.objects.create(user=owner)
+
+    async def scenario():
+        communicator = await connect()
+        await communicator.send_json_to({"action": "auth", "token": token.key})
+        hello = await communicator.receive_json_from(timeout=5)
+        assert hello["type"] == "hello" and hello["user"] == owner.username
+        await communicator.send_json_to({"action": "subscribe", "project": project.pk})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        await sync_to_async(services.run_create)(project=project, name="by token", plan=make_plan())
+        assert (await receive_events(communicator, 1))[0]["type"] == "run_created"
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
