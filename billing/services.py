@@ -131,47 +131,55 @@ def account_topup(*, organization_id: int, amount: int, reason: str, actor=None,
     return LedgerResult(entry, True)
 
 
+def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
+               amount: int, idempotency_key: str, actor, reason: str, apply, source: str = "") -> LedgerResult:
+    """Append one run entry exactly once: lock the account, return the entry already written
+    under ``(run, kind, key)``, or let ``apply`` move the figures (or refuse) and append."""
+    with transaction.atomic():
+        account = _account_locked(organization_id)
+        existing = _existing(organization_id=organization_id, run_id=run_id, kind=kind, key=idempotency_key)
+        if existing is not None:
+            return LedgerResult(existing, False)
+        apply(account)
+        entry = _append(account=account, kind=kind, amount=amount, key=idempotency_key, run_id=run_id,
+                        attempt_number=attempt_number, project_id=project_id, source=source, actor=actor,
+                        reason=reason)
+        return LedgerResult(entry, True)
+
+
 def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                    amount: int, idempotency_key: str, actor=None, reason: str = "") -> LedgerResult:
     """Hold ``amount`` credits for a run attempt; ``InsufficientCredits`` if not available."""
     amount = _validate_amount(amount)
-    with transaction.atomic():
-        account = _account_locked(organization_id)
-        existing = _existing(organization_id=organization_id, run_id=run_id, kind=LedgerEntry.Kind.RESERVE,
-                             key=idempotency_key)
-        if existing is not None:
-            return LedgerResult(existing, False)
+
+    def apply(account: CreditAccount) -> None:
         if account.available < amount:
             raise InsufficientCredits(
                 f"organization {organization_id} has {account.available} credits available; {amount} needed",
                 available=account.available, required=amount,
             )
         account.reserved += amount
-        entry = _append(account=account, kind=LedgerEntry.Kind.RESERVE, amount=amount, key=idempotency_key,
-                        run_id=run_id, attempt_number=attempt_number, project_id=project_id, actor=actor,
-                        reason=reason)
-        return LedgerResult(entry, True)
+
+    return _run_entry(kind=LedgerEntry.Kind.RESERVE, organization_id=organization_id, project_id=project_id,
+                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
+                      actor=actor, reason=reason, apply=apply)
 
 
 def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                   amount: int, idempotency_key: str, actor=None, reason: str = "") -> LedgerResult:
     """Consume ``amount`` held credits. The caller checks the attempt's own reservation."""
     amount = _validate_amount(amount)
-    with transaction.atomic():
-        account = _account_locked(organization_id)
-        existing = _existing(organization_id=organization_id, run_id=run_id, kind=LedgerEntry.Kind.CHARGE,
-                             key=idempotency_key)
-        if existing is not None:
-            return LedgerResult(existing, False)
+
+    def apply(account: CreditAccount) -> None:
         if account.reserved < amount:
             raise InsufficientCredits(f"organization {organization_id} holds {account.reserved} reserved credits; "
                                       f"cannot charge {amount}")
         account.balance -= amount
         account.reserved -= amount
-        entry = _append(account=account, kind=LedgerEntry.Kind.CHARGE, amount=amount, key=idempotency_key,
-                        run_id=run_id, attempt_number=attempt_number, project_id=project_id, actor=actor,
-                        reason=reason)
-        return LedgerResult(entry, True)
+
+    return _run_entry(kind=LedgerEntry.Kind.CHARGE, organization_id=organization_id, project_id=project_id,
+                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
+                      actor=actor, reason=reason, apply=apply)
 
 
 def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
@@ -180,23 +188,19 @@ def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, 
     amount = _validate_amount(amount)
     if source not in (LedgerEntry.Source.RESERVATION, LedgerEntry.Source.CHARGE):
         raise ValidationFailed("unknown refund source", errors={"source": [f"{source!r} is not a refund source"]})
-    with transaction.atomic():
-        account = _account_locked(organization_id)
-        existing = _existing(organization_id=organization_id, run_id=run_id, kind=LedgerEntry.Kind.REFUND,
-                             key=idempotency_key)
-        if existing is not None:
-            return LedgerResult(existing, False)
-        if source == LedgerEntry.Source.RESERVATION:
-            if account.reserved < amount:
-                raise ValidationFailed(f"cannot release {amount}: only {account.reserved} reserved",
-                                       errors={"amount": ["more than is reserved"]})
-            account.reserved -= amount
-        else:
+
+    def apply(account: CreditAccount) -> None:
+        if source == LedgerEntry.Source.CHARGE:
             account.balance += amount
-        entry = _append(account=account, kind=LedgerEntry.Kind.REFUND, amount=amount, key=idempotency_key,
-                        run_id=run_id, attempt_number=attempt_number, project_id=project_id, source=source,
-                        actor=actor, reason=reason)
-        return LedgerResult(entry, True)
+            return
+        if account.reserved < amount:
+            raise ValidationFailed(f"cannot release {amount}: only {account.reserved} reserved",
+                                   errors={"amount": ["more than is reserved"]})
+        account.reserved -= amount
+
+    return _run_entry(kind=LedgerEntry.Kind.REFUND, organization_id=organization_id, project_id=project_id,
+                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
+                      actor=actor, reason=reason, apply=apply, source=source)
 
 
 @transaction.atomic

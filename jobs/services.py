@@ -250,7 +250,8 @@ def _wake() -> None:
 
 # --- claiming -----------------------------------------------------------------------------
 
-def _eligible(now):
+def jobs_eligible(now):
+    """Jobs that may be claimed now: waiting, past ``not_before``, their lane idle."""
     busy_lanes = Job.objects.filter(state=JobState.EXECUTING).exclude(lane="").values("lane")
     return (Job.objects.filter(state__in=list(WAITING_JOB_STATES))
             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
@@ -263,7 +264,7 @@ def _free_slots() -> list[int]:
 
 
 def _pick(now) -> Job | None:
-    eligible = _eligible(now)
+    eligible = jobs_eligible(now)
     aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
     saturated = JobLane.objects.filter(interactive_streak__gte=settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST)
     aged = (eligible.filter(priority_class=PriorityClass.BACKGROUND, queued_at__lte=aging,

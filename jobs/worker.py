@@ -116,7 +116,7 @@ def maintain() -> dict[str, int]:
             hook(now=now)
         except Exception:
             logger.exception("maintenance hook %s failed", getattr(hook, "__name__", hook))
-    eligible = services._eligible(now).count()
+    eligible = services.jobs_eligible(now).count()
     sent = 0
     if eligible:
         backlog = broker_backlog()

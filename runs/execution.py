@@ -61,13 +61,11 @@ def _validate_step(payload: dict) -> dict:
 
 def run_dispatch(run_id: int, *, not_before=None) -> None:
     """Ask a worker to look at the run (a ``run_tick`` job), now or at ``not_before``."""
-    run = Run.objects.filter(pk=run_id).only("pk", "project_id", "organization_id", "priority").first()
+    run = Run.objects.select_related("project").filter(pk=run_id).first()
     if run is None:
         return
-    from core.models import Project
-
-    job_enqueue(job_type="run_tick", project=Project(pk=run.project_id, organization_id=run.organization_id),
-                payload={"run": run_id}, run_id=run_id, priority=run.priority, not_before=not_before)
+    job_enqueue(job_type="run_tick", project=run.project, payload={"run": run_id}, run_id=run_id,
+                priority=run.priority, not_before=not_before)
 
 
 def _tick(ctx, payload: dict) -> dict:
