@@ -7,8 +7,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.contrib import admin
 from django.db.models import Q
+from django.urls import reverse
 from django.utils import timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, operator_permission, recent_filter
@@ -26,6 +27,96 @@ from jobs.models import (
     WorkerHeartbeat,
     WorkerSession,
 )
+from jobs.selectors import jobs_wait_explain
+
+# States in which a job has not started yet and "why is this waiting?" has an answer.
+NOT_STARTED_STATES = (JobState.RECEIVED, JobState.QUEUED, JobState.AWAITING_TOOL, JobState.AWAITING_USER_CONFIRMATION)
+RUN_WAITING_JOBS_LIMIT = 5
+
+
+class ProjectListFilter(admin.RelatedFieldListFilter):
+    """The "project" list filter with each project's organization read in the same query (a
+    project's name is ``organization/project``: the stock filter reads one organization per project)."""
+
+    def field_choices(self, field, request, model_admin):
+        ordering = self.field_admin_ordering(field, request, model_admin) or field.related_model._meta.ordering
+        projects = field.related_model._default_manager.select_related("organization").order_by(*ordering)
+        return [(project.pk, str(project)) for project in projects]
+
+
+def _seconds(value) -> str:
+    return "—" if value is None else f"{value:.0f} s"
+
+
+def wait_explanation_html(explanation: dict):
+    """One job's answer to "why is this waiting?" (``jobs.selectors.job_wait_explain``) as HTML.
+
+    The block carries ``data-job``, ``data-wait-blockers`` (the blocker codes, space-separated)
+    and ``data-wait-position`` so that scripts and tests can read it.
+    """
+    holder = explanation["lane_holder"]
+    if not explanation["lane"]:
+        lane = "none (no lane limit)"
+    elif holder:
+        lane = format_html('{} — held by <a href="{}">job {}</a> ({}, executing for {} on {})', explanation["lane"],
+                           reverse("admin:jobs_job_change", args=[holder["id"]]), holder["id"], holder["type"],
+                           _seconds(holder["age_s"]), holder["worker"] or "a worker")
+    else:
+        lane = format_html("{} — free", explanation["lane"])
+    caps = explanation["caps"]
+    facts = [
+        ("lane", lane),
+        ("position", "—" if explanation["jobs_ahead"] is None else format_html(
+            "{} ({} claimable job{} ahead, {} claimable in all)",
+            explanation["position"] or "not claimable now", explanation["jobs_ahead"],
+            "" if explanation["jobs_ahead"] == 1 else "s", explanation["eligible_jobs"])),
+        ("priority", f"{explanation['priority']} ({explanation['priority_class']}; lower runs first, "
+                     "interactive before background)"),
+        ("waiting for", _seconds(explanation["age_s"])),
+        ("attempts", f"{explanation['attempts']} of {explanation['max_attempts']}"),
+        ("caps", format_html("{}; {} of {} global slots busy",
+                             "one executing job per lane" if caps["lane_concurrency"] else "no lane limit",
+                             caps["executing"], caps["global_concurrency"])),
+        ("eligible at", explanation["eligible_at"] or "now (no delay)"),
+    ]
+    aging = explanation["aging"]
+    if aging:
+        facts.append(("aging guard", format_html(
+            "lane ran {} interactive job{} in a row (burst {}); {}", aging["lane_interactive_streak"],
+            "" if aging["lane_interactive_streak"] == 1 else "s", aging["max_interactive_burst"],
+            "aged: claimed before the lane's interactive jobs" if aging["jumps_queue"]
+            else ("aged once the burst is reached" if aging["aged"]
+                  else f"ages in {_seconds(aging['ages_in_s'])}"))))
+    facts.append(("workers alive", str(explanation["workers_alive"])))
+    if explanation["deadline_at"]:
+        facts.append(("deadline", f"{explanation['deadline_at']} (then completes with its fallback result)"))
+    blockers = format_html_join("", '<li data-blocker="{}"><strong>{}</strong>: {}</li>',
+                                ((b["code"], b["code"], b["detail"]) for b in explanation["blockers"]))
+    rows = format_html_join("", "<tr><th>{}</th><td>{}</td></tr>", facts)
+    return format_html(
+        '<div class="wait-explain" data-job="{}" data-wait-blockers="{}" data-wait-position="{}">'
+        '<p class="wait-summary">{}</p>{}<table class="wait-facts">{}</table></div>',
+        explanation["job"], " ".join(b["code"] for b in explanation["blockers"]),
+        explanation["position"] or "", explanation["summary"],
+        format_html('<ul class="wait-blockers">{}</ul>', blockers) if explanation["blockers"] else "", rows)
+
+
+def run_waiting_jobs_html(run_id: int):
+    """"Why is this waiting?" for a run's jobs that have not started (at most five, oldest first)."""
+    jobs = list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_STATES).order_by("id")
+                [:RUN_WAITING_JOBS_LIMIT + 1])
+    if not jobs:
+        return "no job of this run is waiting"
+    more = len(jobs) > RUN_WAITING_JOBS_LIMIT
+    jobs = jobs[:RUN_WAITING_JOBS_LIMIT]
+    explanations = jobs_wait_explain(jobs)
+    items = format_html_join("", '<div class="wait-job"><h4><a href="{}">job {}</a> {} ({})</h4>{}</div>', (
+        (reverse("admin:jobs_job_change", args=[job.pk]), job.pk, job.type, job.state,
+         wait_explanation_html(explanations[job.pk])) for job in jobs))
+    if more:
+        url = reverse("admin:jobs_job_changelist") + f"?run_id={run_id}&state__in={','.join(NOT_STARTED_STATES)}"
+        items = format_html('{}<p><a href="{}">all waiting jobs of this run</a></p>', items, url)
+    return items
 
 
 class JobStuckFilter(admin.SimpleListFilter):
@@ -53,13 +144,28 @@ class JobStuckFilter(admin.SimpleListFilter):
 class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     list_display = ("id", "type", "project", "live_state", "reason", "priority_class", "priority", "lane",
                     "attempts", "max_attempts", "worker", "age", "run_id", "created_at", "completed_at")
-    list_filter = ("state", JobStuckFilter, "type", "priority_class", "reason", "organization", "project",
-                   recent_filter("created_at", "created"), ("created_at", admin.DateFieldListFilter))
+    list_filter = ("state", JobStuckFilter, "type", "priority_class", "reason", "organization",
+                   ("project", ProjectListFilter),
+                   recent_filter("created_at", "created"), recent_filter("completed_at", "finished"),
+                   ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "lane", "dedupe_key", "=run_id", "worker")
     show_full_result_count = False
     actions = ["requeue", "fail", "cancel"]
     runbooks = {"requeue": runbooks.JOB_REQUEUE, "fail": runbooks.JOB_FAIL, "cancel": runbooks.JOB_CANCEL}
+
+    readonly_fields = ("wait_explanation",)
+
+    def get_fieldsets(self, request, obj=None):
+        """A waiting job's page opens with why it waits; the job's fields follow."""
+        fields = [name for name in self.get_fields(request, obj) if name != "wait_explanation"]
+        if obj is not None and obj.state in NOT_STARTED_STATES:
+            return [("Why is this waiting?", {"fields": ["wait_explanation"]}), (None, {"fields": fields})]
+        return [(None, {"fields": fields})]
+
+    @admin.display(description="explanation")
+    def wait_explanation(self, job):
+        return wait_explanation_html(jobs_wait_explain([job])[job.pk])
 
     has_requeue_permission = operator_permission("jobs.requeue_job")
     has_fail_permission = operator_permission("jobs.fail_job")
@@ -106,7 +212,8 @@ class MaintenanceMarkAdmin(ReadOnlyAdmin):
 class CommandRecordAdmin(ReadOnlyAdmin):
     list_display = ("id", "kind", "project", "idempotency_key", "status", "attempts", "error_code", "created_at",
                     "completed_at")
-    list_filter = ("status", "kind", "project", "error_code", recent_filter("created_at", "created"),
+    list_filter = ("status", "kind", ("project", ProjectListFilter), "error_code",
+                   recent_filter("created_at", "created"),
                    ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "idempotency_key", "payload_hash", "error_code")
@@ -116,7 +223,7 @@ class CommandRecordAdmin(ReadOnlyAdmin):
 @admin.register(Deployment)
 class DeploymentAdmin(ReadOnlyAdmin):
     list_display = ("id", "name", "project", "status", "idempotency_key", "created_at", "stopped_at")
-    list_filter = ("status", "project")
+    list_filter = ("status", ("project", ProjectListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "name", "idempotency_key")
 
@@ -125,7 +232,7 @@ class DeploymentAdmin(ReadOnlyAdmin):
 class OrderAdmin(ReadOnlyAdmin):
     list_display = ("id", "symbol", "side", "quantity", "price", "status", "project", "deployment",
                     "idempotency_key", "created_at", "cancelled_at")
-    list_filter = ("status", "side", "project")
+    list_filter = ("status", "side", ("project", ProjectListFilter))
     list_select_related = ("project", "project__organization", "deployment")
     search_fields = ("=id", "symbol", "idempotency_key")
 

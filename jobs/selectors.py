@@ -1,20 +1,59 @@
-"""Reads of the queue for operators: depth by lane and type, executing jobs, workers seen."""
+"""Reads of the queue for operators: depth by lane and type, executing jobs, workers seen, and
+why a waiting job waits.
+
+Every reader here runs a fixed number of grouped queries, whatever the number of jobs, and
+follows the claim rules of ``jobs.services`` (``jobs_eligible`` and the order of ``job_claim``),
+so what the console says is what the next claim does.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import timedelta
+from typing import Any, Iterable
 
 from django.conf import settings
-from django.db.models import Count, Min, Q
+from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
-from jobs.models import WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
+from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobReason, JobState, PriorityClass, WorkerHeartbeat
+from jobs.services import jobs_eligible
 
 WAITING = list(WAITING_JOB_STATES)
 
 
 def _age_s(since, now) -> float | None:
     return None if since is None else round((now - since).total_seconds(), 1)
+
+
+def worker_alive_window_s() -> int:
+    """A worker is alive when its heartbeat is younger than one job lease."""
+    return settings.ORCHESTRATOR_QUEUE_LEASE_S
+
+
+def _executing_jobs(now, limit: int) -> list[dict[str, Any]]:
+    """The ``limit`` oldest executing jobs, oldest first, with their age and lease."""
+    return [
+        {"id": row["id"], "type": row["type"], "lane": row["lane"], "project": row["project_id"], "run": row["run_id"],
+         "worker": row["worker"], "attempt": row["attempts"], "age_s": _age_s(row["started_at"], now),
+         "lease_left_s": None if row["lease_expires_at"] is None
+         else round((row["lease_expires_at"] - now).total_seconds(), 1),
+         "cancel_requested": row["cancel_requested_at"] is not None}
+        for row in Job.objects.filter(state=JobState.EXECUTING).order_by("started_at", "id").values(
+            "id", "type", "lane", "project_id", "run_id", "worker", "attempts", "started_at", "lease_expires_at",
+            "cancel_requested_at")[:limit]
+    ]
+
+
+def _workers(now, limit: int) -> list[dict[str, Any]]:
+    """The ``limit`` most recently seen worker processes."""
+    alive_window = worker_alive_window_s()
+    return [
+        {"worker": row["worker"], "cluster": row["cluster"], "last_seen_s": _age_s(row["last_seen"], now),
+         "alive": (now - row["last_seen"]).total_seconds() <= alive_window, "current_job": row["current_job_id"],
+         "jobs_done": row["jobs_done"], "up_s": _age_s(row["started_at"], now)}
+        for row in WorkerHeartbeat.objects.order_by("-last_seen").values(
+            "worker", "cluster", "last_seen", "current_job_id", "jobs_done", "started_at")[:limit]
+    ]
 
 
 def queue_status(*, now=None, limit: int = 50) -> dict[str, Any]:
@@ -35,27 +74,9 @@ def queue_status(*, now=None, limit: int = 50) -> dict[str, Any]:
             oldest=Min("queued_at", filter=Q(state__in=WAITING)),
         ).order_by("lane", "type")
     ]
-    executing = [
-        {"id": row["id"], "type": row["type"], "lane": row["lane"], "project": row["project_id"], "run": row["run_id"],
-         "worker": row["worker"], "attempt": row["attempts"], "age_s": _age_s(row["started_at"], now),
-         "lease_left_s": None if row["lease_expires_at"] is None
-         else round((row["lease_expires_at"] - now).total_seconds(), 1),
-         "cancel_requested": row["cancel_requested_at"] is not None}
-        for row in Job.objects.filter(state=JobState.EXECUTING).order_by("started_at", "id").values(
-            "id", "type", "lane", "project_id", "run_id", "worker", "attempts", "started_at", "lease_expires_at",
-            "cancel_requested_at")[:limit]
-    ]
     totals = dict(Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING, JobState.EXECUTING,
                                                 JobState.AWAITING_USER_CONFIRMATION])
                   .values_list("state").annotate(n=Count("id")).order_by())
-    alive_window = settings.ORCHESTRATOR_QUEUE_LEASE_S
-    workers = [
-        {"worker": row["worker"], "cluster": row["cluster"], "last_seen_s": _age_s(row["last_seen"], now),
-         "alive": (now - row["last_seen"]).total_seconds() <= alive_window, "current_job": row["current_job_id"],
-         "jobs_done": row["jobs_done"], "up_s": _age_s(row["started_at"], now)}
-        for row in WorkerHeartbeat.objects.order_by("-last_seen").values(
-            "worker", "cluster", "last_seen", "current_job_id", "jobs_done", "started_at")[:limit]
-    ]
     return {
         "at": now.isoformat(),
         "waiting": sum(totals.get(state, 0) for state in WAITING),
@@ -64,6 +85,233 @@ def queue_status(*, now=None, limit: int = 50) -> dict[str, Any]:
         "awaiting_user_confirmation": totals.get(JobState.AWAITING_USER_CONFIRMATION, 0),
         "concurrency": settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY,
         "lanes": lanes,
-        "executing_jobs": executing,
-        "workers": workers,
+        "executing_jobs": _executing_jobs(now, limit),
+        "workers": _workers(now, limit),
     }
+
+
+def _top(groups: dict[str, dict[str, Any]], limit: int) -> list[dict[str, Any]]:
+    rows = sorted(groups.values(), key=lambda row: (-row["waiting"], -row["executing"], row["key"]))
+    return rows[:limit]
+
+
+def queue_overview(*, now=None, limit: int = 20) -> dict[str, Any]:
+    """The queue for the live dashboard, in five queries whatever the number of jobs.
+
+    ``by_lane`` and ``by_type``: jobs waiting (of which ``delayed``: ``not_before`` still in the
+    future), executing and the age of the oldest waiting one, the ``limit`` deepest groups
+    (``lanes_total``/``types_total`` count them all); ``executing_jobs``: the ``limit`` oldest
+    executing jobs; ``workers``: the ``limit`` most recently seen workers, and how many of all
+    are alive or stale.
+    """
+    now = now or timezone.now()
+    rows = (Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING, JobState.EXECUTING,
+                                          JobState.AWAITING_USER_CONFIRMATION])
+            .values("lane", "type").annotate(
+                waiting=Count("id", filter=Q(state__in=WAITING)),
+                delayed=Count("id", filter=Q(state__in=WAITING, not_before__gt=now)),
+                executing=Count("id", filter=Q(state=JobState.EXECUTING)),
+                received=Count("id", filter=Q(state=JobState.RECEIVED)),
+                confirming=Count("id", filter=Q(state=JobState.AWAITING_USER_CONFIRMATION)),
+                oldest=Min("queued_at", filter=Q(state__in=WAITING)),
+            ).order_by())
+    by_lane: dict[str, dict[str, Any]] = {}
+    by_type: dict[str, dict[str, Any]] = {}
+    totals = {"waiting": 0, "delayed": 0, "executing": 0, "received": 0, "awaiting_user_confirmation": 0}
+    for row in rows:
+        totals["waiting"] += row["waiting"]
+        totals["delayed"] += row["delayed"]
+        totals["executing"] += row["executing"]
+        totals["received"] += row["received"]
+        totals["awaiting_user_confirmation"] += row["confirming"]
+        for groups, key in ((by_lane, row["lane"]), (by_type, row["type"])):
+            group = groups.setdefault(key, {"key": key, "waiting": 0, "delayed": 0, "executing": 0, "oldest": None})
+            group["waiting"] += row["waiting"]
+            group["delayed"] += row["delayed"]
+            group["executing"] += row["executing"]
+            if row["oldest"] is not None and (group["oldest"] is None or row["oldest"] < group["oldest"]):
+                group["oldest"] = row["oldest"]
+    for groups in (by_lane, by_type):
+        for group in groups.values():
+            group["oldest_waiting_s"] = _age_s(group.pop("oldest"), now)
+    alive_since = now - timedelta(seconds=worker_alive_window_s())
+    seen = WorkerHeartbeat.objects.aggregate(alive=Count("worker", filter=Q(last_seen__gte=alive_since)),
+                                             total=Count("worker"))
+    return {
+        "at": now.isoformat(),
+        **totals,
+        "concurrency": settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY,
+        "by_lane": _top(by_lane, limit),
+        "lanes_total": len(by_lane),
+        "by_type": _top(by_type, limit),
+        "types_total": len(by_type),
+        "executing_jobs": _executing_jobs(now, limit),
+        "workers": _workers(now, limit),
+        "workers_alive": seen["alive"],
+        "workers_stale": seen["total"] - seen["alive"],
+        "worker_alive_window_s": worker_alive_window_s(),
+    }
+
+
+# --- why is this job waiting? ----------------------------------------------------------------
+
+def _claim_ahead_q(job: Job) -> Q:
+    """Jobs before ``job`` in the claim order: lower priority, then interactive first, then FIFO."""
+    return (Q(priority__lt=job.priority) | Q(priority=job.priority, class_rank__lt=job.class_rank)
+            | Q(priority=job.priority, class_rank=job.class_rank, id__lt=job.pk))
+
+
+def _aged_q(now) -> Q:
+    """Background jobs that waited past the aging guard in a lane that ran its interactive burst:
+    ``job_claim`` takes these first, oldest first (the same test as ``jobs.services._pick``)."""
+    aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
+    saturated = JobLane.objects.filter(interactive_streak__gte=settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST)
+    return Q(priority_class=PriorityClass.BACKGROUND, queued_at__lte=aging, lane__in=Subquery(saturated.values("key")))
+
+
+def _seconds_until(moment, now) -> float | None:
+    return None if moment is None else round(max(0.0, (moment - now).total_seconds()), 1)
+
+
+def jobs_wait_explain(jobs: Iterable[Job], *, now=None) -> dict[int, dict[str, Any]]:
+    """``job_wait_explain`` for several jobs: three shared queries, then one per waiting job."""
+    jobs = list(jobs)
+    now = now or timezone.now()
+    if not jobs:
+        return {}
+    executing = list(Job.objects.filter(state=JobState.EXECUTING).order_by("started_at", "id").values(
+        "id", "type", "lane", "worker", "started_at", "timeout_s", "run_id"))
+    holders = {row["lane"]: row for row in executing if row["lane"]}
+    lanes = {job.lane for job in jobs if job.lane}
+    streaks = dict(JobLane.objects.filter(key__in=lanes).values_list("key", "interactive_streak")) if lanes else {}
+    alive_since = now - timedelta(seconds=worker_alive_window_s())
+    workers_alive = WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count()
+    return {job.pk: _explain(job, now=now, executing=executing, holders=holders, streaks=streaks,
+                             workers_alive=workers_alive) for job in jobs}
+
+
+def job_wait_explain(job: Job, *, now=None) -> dict[str, Any]:
+    """Why ``job`` is not executing yet, from the queue's own rules (in at most four queries).
+
+    Returns ``waiting`` (whether it is in a waiting state at all), ``summary`` (one sentence),
+    ``blockers`` (``[{"code", "detail"}]``, the most decisive first: ``not_queued``,
+    ``awaiting_user_confirmation``, ``no_worker``, ``delayed``, ``lane_held``, ``global_cap``,
+    ``behind``), the lane and the job holding it, ``position`` among the jobs a worker could
+    claim now (1 = next; ``None`` when the job itself cannot be claimed now), ``jobs_ahead``, its
+    priority and age, the caps in effect (lane and global concurrency, jobs executing), the
+    aging guard and, when delayed, when it becomes eligible (``eligible_at``).
+    """
+    return jobs_wait_explain([job], now=now)[job.pk]
+
+
+def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], streaks: dict[str, int],
+             workers_alive: int) -> dict[str, Any]:
+    concurrency = settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
+    burst = settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST
+    aging_ms = settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS
+    waiting_since = job.queued_at or job.created_at
+    holder = holders.get(job.lane) if job.lane else None
+    if holder is not None and holder["id"] == job.pk:
+        holder = None
+    explanation: dict[str, Any] = {
+        "job": job.pk,
+        "state": job.state,
+        "waiting": job.state in (JobState.RECEIVED, *WAITING, JobState.AWAITING_USER_CONFIRMATION),
+        "priority": job.priority,
+        "priority_class": job.priority_class,
+        "age_s": _age_s(waiting_since, now),
+        "attempts": job.attempts,
+        "max_attempts": job.max_attempts,
+        "lane": job.lane,
+        "lane_holder": None if holder is None else {
+            "id": holder["id"], "type": holder["type"], "worker": holder["worker"], "run": holder["run_id"],
+            "age_s": _age_s(holder["started_at"], now),
+            "timeout_at": (holder["started_at"] + timedelta(seconds=holder["timeout_s"])).isoformat()
+            if holder["started_at"] and holder["timeout_s"] else None,
+        },
+        "caps": {"lane_concurrency": 1 if job.lane else None, "global_concurrency": concurrency,
+                 "executing": len(executing), "free_slots": max(0, concurrency - len(executing))},
+        "not_before": job.not_before.isoformat() if job.not_before else None,
+        "eligible_at": None,
+        "eligible_in_s": None,
+        "position": None,
+        "jobs_ahead": None,
+        "eligible_jobs": None,
+        "aging": None,
+        "workers_alive": workers_alive,
+        "queue_enabled": bool(settings.ORCHESTRATOR_QUEUE_ENABLED),
+        "deadline_at": job.deadline_at.isoformat() if job.deadline_at else None,
+        "blockers": [],
+        "summary": "",
+    }
+    blockers = explanation["blockers"]
+    if not explanation["waiting"]:
+        if job.state == JobState.EXECUTING:
+            explanation["summary"] = f"Not waiting: executing on {job.worker or 'a worker'} since " \
+                                     f"{_age_s(job.started_at, now)} s (attempt {job.attempts})."
+        else:
+            explanation["summary"] = f"Not waiting: {job.state}" + (f" ({job.reason})." if job.reason else ".")
+        return explanation
+
+    if job.priority_class == PriorityClass.BACKGROUND and job.lane:
+        streak = streaks.get(job.lane, 0)
+        aged_at = waiting_since + timedelta(milliseconds=aging_ms) if waiting_since else None
+        explanation["aging"] = {
+            "lane_interactive_streak": streak, "max_interactive_burst": burst, "aging_ms": aging_ms,
+            "aged": bool(aged_at and aged_at <= now), "ages_in_s": _seconds_until(aged_at, now),
+            "jumps_queue": bool(aged_at and aged_at <= now and streak >= burst),
+        }
+
+    if job.state == JobState.RECEIVED:
+        blockers.append({"code": "not_queued", "detail": "received but not queued yet: no worker may claim it"})
+    elif job.state == JobState.AWAITING_USER_CONFIRMATION:
+        blockers.append({"code": "awaiting_user_confirmation",
+                         "detail": "waits for a user's confirmation; workers do not claim it until then"})
+    if not workers_alive:
+        blockers.append({"code": "no_worker", "detail": "no worker has sent a heartbeat within "
+                                                        f"{worker_alive_window_s()} s: nothing claims jobs"})
+    delayed = job.not_before is not None and job.not_before > now
+    if delayed:
+        explanation["eligible_at"] = job.not_before.isoformat()
+        explanation["eligible_in_s"] = _seconds_until(job.not_before, now)
+        why = "retry backoff after a failed attempt" if job.reason == JobReason.RETRY_SCHEDULED \
+            else "its not_before time"
+        blockers.append({"code": "delayed", "detail": f"delayed until {job.not_before.isoformat()} "
+                                                      f"(in {explanation['eligible_in_s']} s): {why}"})
+    if holder is not None:
+        detail = (f"its lane {job.lane!r} is held by job {holder['id']} ({holder['type']}), executing for "
+                  f"{explanation['lane_holder']['age_s']} s on {holder['worker'] or 'a worker'}; one job per lane "
+                  "executes at a time")
+        blockers.append({"code": "lane_held", "detail": detail})
+    if len(executing) >= concurrency:
+        blockers.append({"code": "global_cap", "detail": f"all {concurrency} concurrency slots are busy "
+                                                         f"({len(executing)} jobs executing)"})
+
+    if job.state in WAITING:
+        aged = _aged_q(now)
+        counts = jobs_eligible(now).aggregate(
+            eligible=Count("id"),
+            aged=Count("id", filter=aged),
+            aged_ahead=Count("id", filter=aged & (Q(queued_at__lt=waiting_since)
+                                                  | Q(queued_at=waiting_since, id__lt=job.pk))),
+            ahead=Count("id", filter=~aged & _claim_ahead_q(job)),
+        )
+        job_is_aged = bool(explanation["aging"] and explanation["aging"]["jumps_queue"])
+        ahead = counts["aged_ahead"] if job_is_aged else counts["aged"] + counts["ahead"]
+        explanation["jobs_ahead"] = ahead
+        explanation["eligible_jobs"] = counts["eligible"]
+        claimable = not delayed and holder is None
+        if claimable:
+            explanation["position"] = ahead + 1
+        if ahead:
+            order = "aged background jobs of saturated lanes first, then lower priority, interactive first, FIFO"
+            blockers.append({"code": "behind", "detail": f"{ahead} claimable job{'s' if ahead != 1 else ''} "
+                                                        f"ahead of it in the claim order ({order})"})
+
+    if not blockers:
+        explanation["summary"] = "Claimable now and first in line: the next worker to look claims it."
+    else:
+        first = blockers[0]["detail"]
+        explanation["summary"] = f"Waiting: {first[0].upper()}{first[1:]}" + (
+            f" (and {len(blockers) - 1} more reason{'s' if len(blockers) > 2 else ''})." if len(blockers) > 1 else ".")
+    return explanation

@@ -10,6 +10,7 @@ from core.api.views import api_not_found
 
 urlpatterns = [
     path("v1/", include("core.api.urls")),
+    path("v1/", include("diagnosis.api")),
     path("v1/", include("runs.api.urls")),
     path("v1/", include("jobs.api.urls")),
     path("v1/", include("billing.api.urls")),

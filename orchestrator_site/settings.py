@@ -66,6 +66,7 @@ INSTALLED_APPS = [
     "billing",
     "jobs",
     "runs",
+    "diagnosis",
 ]
 
 MIDDLEWARE = [
@@ -156,6 +157,9 @@ USE_TZ = True
 STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "var" / "static"
 STATIC_ROOT.mkdir(parents=True, exist_ok=True)
+# Serve the apps' static files even before (or without) collectstatic: a fresh checkout's console
+# and the browser tests get the admin's CSS and our live scripts.
+WHITENOISE_USE_FINDERS = True
 
 LOGIN_URL = "admin:login"
 
@@ -166,16 +170,49 @@ ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_HEARTBEAT_TIMEO
 ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S", 7 * 24 * 3600)
 ORCHESTRATOR_RUN_RESUMING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RESUMING_TIMEOUT_S", 5 * 60)
 ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S", 24 * 3600)
+# Off: the reaper leaves silent and orphaned running runs to operators (the demo does this).
+ORCHESTRATOR_RUN_AUTO_RECOVER = env_bool("ORCHESTRATOR_RUN_AUTO_RECOVER", True)
 ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
 ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 
+# --- Logs ----------------------------------------------------------------------------------------
+# One JSON object per line (core/logging.py), or text. Every state transition is an INFO record
+# of "orchestrator.transitions" with entity, <entity>_id, project_id, run_id, type, attempt,
+# from, to and reason.
+LOG_FORMAT = env_str("LOG_FORMAT", "json").strip().lower()
+if LOG_FORMAT not in ("json", "text"):
+    raise RuntimeError(f"LOG_FORMAT must be json or text, got {LOG_FORMAT!r}")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "handlers": {"console": {"class": "logging.StreamHandler"}},
+    "formatters": {"json": {"()": "core.logging.JsonFormatter"}, "text": {"()": "core.logging.TextFormatter"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": LOG_FORMAT}},
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "WARNING")},
+    "loggers": {
+        "orchestrator.transitions": {"level": env_str("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "INFO")},
+    },
 }
+
+# --- Artifacts (files runs produce) ---------------------------------------------------------------
+# Kept in the "artifacts" storage; deleted by the prune once expired. Reading one pushes its expiry
+# to at least ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S from now (a download in flight is not pruned).
+ORCHESTRATOR_ARTIFACT_ROOT = Path(env_str("ORCHESTRATOR_ARTIFACT_ROOT", str(BASE_DIR / "var" / "artifacts")))
+ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S = env_int("ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S", 3600)
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "artifacts": {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                  "OPTIONS": {"location": str(ORCHESTRATOR_ARTIFACT_ROOT)}},
+}
+
+# --- Retention (python manage.py prune; a django-q2 schedule runs it every 10 minutes) ---------------
+# Terminal jobs and events older than this many days are deleted (a project's own retention_days
+# wins); ledger and audit rows are never deleted. Each prune deletes in batches for at most
+# ORCHESTRATOR_RETENTION_MAX_S seconds, so a backlog drains over several runs.
+ORCHESTRATOR_RETENTION_DAYS = env_int("ORCHESTRATOR_RETENTION_DAYS", 14)
+ORCHESTRATOR_RETENTION_BATCH = env_int("ORCHESTRATOR_RETENTION_BATCH", 1000)
+ORCHESTRATOR_RETENTION_MAX_S = env_int("ORCHESTRATOR_RETENTION_MAX_S", 60)
 
 # --- Workers (django-q2) ---------------------------------------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "").strip()
@@ -189,7 +226,7 @@ Q_CLUSTER = {
     "retry": Q_RETRY_S,
     "max_attempts": 1,
     "ack_failures": True,
-    "save_limit": 1000,
+    "save_limit": env_int("ORCHESTRATOR_Q_SAVE_LIMIT", 1000),  # successful task results kept
     "catch_up": False,
     "poll": 0.05,
     "label": "Django Q",
@@ -229,10 +266,10 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["core.api.parsers.LimitedJSONParser"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
     "DEFAULT_PAGINATION_CLASS": "core.api.pagination.PagePagination",
-    "DEFAULT_THROTTLE_CLASSES": ["core.api.throttling.UserRateThrottle"],
+    "DEFAULT_THROTTLE_CLASSES": ["core.api.throttling.RateLimitThrottle"],
     "DEFAULT_SCHEMA_CLASS": "core.api.schema.AutoSchema",
     "EXCEPTION_HANDLER": "core.api.exceptions.api_exception_handler",
     "PAGE_SIZE": 50,
@@ -254,12 +291,28 @@ SPECTACULAR_SETTINGS = {
         "JobStateEnum": "jobs.models.JobState",
     },
 }
-# Requests per user ("600/minute"; empty: no limit). Idempotency keys live 24 h; a request
-# that crashed leaves its key in flight for at most the in-flight timeout.
+# Requests per authenticated caller and per address of callers without valid credentials
+# ("600/minute", "20/s"; empty: no limit), counted atomically in the database or in Redis
+# (core/ratelimit.py). Idempotency keys live 24 h; a request that crashed leaves its key in
+# flight for at most the in-flight timeout.
 ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "")
+ORCHESTRATOR_API_ANON_RATE = env_str("ORCHESTRATOR_API_ANON_RATE", "")
+ORCHESTRATOR_RATE_LIMIT_STORE = env_str("ORCHESTRATOR_RATE_LIMIT_STORE", "redis" if REDIS_URL else "database")
+if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_RATE_LIMIT_STORE == "redis"
+                                                                   and not REDIS_URL):
+    raise RuntimeError("ORCHESTRATOR_RATE_LIMIT_STORE must be database, or redis with REDIS_URL set; "
+                       f"got {ORCHESTRATOR_RATE_LIMIT_STORE!r}")
+# JSON bodies (plans, job payloads) longer than this answer 413 payload_too_large.
+ORCHESTRATOR_API_MAX_BODY_BYTES = env_int("ORCHESTRATOR_API_MAX_BODY_BYTES", 1024 * 1024)
+DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHESTRATOR_API_MAX_BODY_BYTES, 2_621_440)
 ORCHESTRATOR_IDEMPOTENCY_TTL_S = env_int("ORCHESTRATOR_IDEMPOTENCY_TTL_S", 24 * 3600)
 ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S = env_int("ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S", 60)
 # Job types clients may enqueue through POST /api/v1/jobs/ (the run engine's own types are not).
 ORCHESTRATOR_API_JOB_TYPES = env_list("ORCHESTRATOR_API_JOB_TYPES", ["noop", "probe", "command"])
 # Health: relay cursor lag (events) above which GET /api/v1/health/ answers 503.
 ORCHESTRATOR_HEALTH_MAX_RELAY_LAG = env_int("ORCHESTRATOR_HEALTH_MAX_RELAY_LAG", 1000)
+
+# --- Metrics ------------------------------------------------------------------------------------
+# GET /metrics (Prometheus) answers "Authorization: Bearer <token>" with this token, or a staff
+# session; empty: staff sessions only.
+ORCHESTRATOR_METRICS_TOKEN = env_str("ORCHESTRATOR_METRICS_TOKEN", "")

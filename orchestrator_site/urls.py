@@ -4,8 +4,12 @@ from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
 
+from core.metrics import metrics_view
+
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("admin/dashboard/", include("core.admin_dashboard")),
     path("admin/", admin.site.urls),
     path("api/", include("orchestrator_site.api_urls")),
+    path("metrics", metrics_view, name="metrics"),
 ]

@@ -20,9 +20,9 @@ from runs.models import ApprovalRequest, EscalationTicket, Run
 
 pytestmark = pytest.mark.django_db
 
-ALL_RUN_PERMISSIONS = ["runs.force_fail_run", "runs.cancel_run", "runs.pause_run", "runs.resume_run",
+ALL_RUN_PERMISSIONS = ["runs.start_run", "runs.force_fail_run", "runs.cancel_run", "runs.pause_run", "runs.resume_run",
                        "runs.retry_run", "billing.refund_run", "runs.escalate_run", "runs.approve_gate",
-                       "runs.recover_run"]
+                       "runs.recover_run", "runs.void_run", "runs.acknowledge_drift"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Case:
 
 
 RUN_CASES = {
+    "start": Case("runs.start_run", "created", "pending", "run_start", repeat="already started (pending)"),
     "force_fail": Case("runs.force_fail_run", "running", "failed", "run_force_fail", repeat="already failed"),
     "cancel": Case("runs.cancel_run", "running", "cancelled", "run_cancel", repeat="already cancelled"),
     "pause": Case("runs.pause_run", "running", "paused", "run_pause", repeat="already paused"),
@@ -47,6 +48,7 @@ RUN_CASES = {
                      repeat="already escalated"),
     "approve_gate": Case("runs.approve_gate", "awaiting_approval", "resuming", "approve_gate",
                          fields={"gate": "publish", "approval_ref": "CHG-1"}, repeat="already approved"),
+    "void": Case("runs.void_run", "paused", "cancelled", "run_void", repeat="already voided"),
     "recover": Case("runs.recover_run", "running", "failed", "run_force_fail", fields={"older_than_s": "0"},
                     repeat="not running (failed)"),
 }
@@ -314,7 +316,7 @@ def test_job_requeue_fail_and_cancel(make_staff, login, job_in):
 # --- the Operators group ----------------------------------------------------------------------
 
 def test_operators_may_run_every_runbook(operator_client, run_in, escalation, job_in):
-    assert action_choices(operator_client) == set(RUN_CASES)
+    assert action_choices(operator_client) == set(RUN_CASES) | {"acknowledge_drift"}  # its own tests need drift
     assert action_choices(operator_client, "runs.escalationticket") == {"acknowledge", "resolve"}
     assert action_choices(operator_client, "jobs.job") == {"requeue", "fail", "cancel"}
     run = run_in("running")

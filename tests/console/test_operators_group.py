@@ -10,9 +10,10 @@ from django.contrib.auth.models import Group
 pytestmark = pytest.mark.django_db
 
 RUNBOOK_PERMISSIONS = {
-    "runs.force_fail_run", "runs.cancel_run", "runs.pause_run", "runs.resume_run", "runs.retry_run",
-    "runs.escalate_run", "runs.recover_run", "runs.approve_gate", "runs.manage_escalation", "billing.refund_run",
-    "jobs.requeue_job", "jobs.fail_job", "jobs.cancel_job",
+    "runs.start_run", "runs.force_fail_run", "runs.cancel_run", "runs.pause_run", "runs.resume_run", "runs.retry_run",
+    "runs.escalate_run", "runs.recover_run", "runs.approve_gate", "runs.manage_escalation",
+    "runs.acknowledge_drift", "runs.void_run", "billing.refund_run",
+    "jobs.requeue_job", "jobs.fail_job", "jobs.cancel_job", "diagnosis.request_suggestion",
 }
 
 
@@ -20,7 +21,7 @@ def test_operators_hold_the_runbook_permissions_and_view_everything(make_staff):
     operators = Group.objects.get(name="Operators")
     granted = {f"{perm.content_type.app_label}.{perm.codename}" for perm in operators.permissions.all()}
     views = {f"{model._meta.app_label}.view_{model._meta.model_name}"
-             for app_label in ("core", "billing", "jobs", "runs")
+             for app_label in ("core", "billing", "jobs", "runs", "diagnosis")
              for model in apps.get_app_config(app_label).get_models()}
     assert "core.view_event" in views
     assert granted == RUNBOOK_PERMISSIONS | views

@@ -1,7 +1,10 @@
 """``run_console``: daphne (admin, API, WebSocket) and a ``qcluster`` together; Ctrl-C stops both.
 
-Used by ``make demo``. Each child gets the same environment; if either exits, the other is
-stopped and the command exits with its code.
+Used by ``make demo`` (with ``--demo``: a third child, ``demo_stream``, keeps demo runs going,
+and automatic recovery of silent runs is off unless ``ORCHESTRATOR_RUN_AUTO_RECOVER`` is set,
+so the stuck demo run waits for the recovery runbook, and transitions are not logged unless
+``ORCHESTRATOR_TRANSITION_LOG_LEVEL`` is set). Each child gets the same environment; if
+one exits, the others are stopped and the command exits with its code.
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1")
         parser.add_argument("--port", type=int, default=8000)
         parser.add_argument("--no-workers", action="store_true", help="serve only (workers run elsewhere)")
+        parser.add_argument("--demo", action="store_true",
+                            help="also keep a stream of demo runs going (needs seed_demo first)")
 
     def handle(self, *args, **options):
         base = [sys.executable]
+        manage = [*base, str(settings.BASE_DIR / "manage.py")]
+        if options["demo"]:
+            os.environ.setdefault("ORCHESTRATOR_RUN_AUTO_RECOVER", "0")
+            # A quiet terminal: the demo makes a few transitions a second (INFO shows each as JSON).
+            os.environ.setdefault("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "WARNING")
         daphne = base + ["-m", "daphne", "-b", options["host"], "-p", str(options["port"]),
                          "orchestrator_site.asgi:application"]
         # daphne runs each request in some thread: pool PostgreSQL connections there.
@@ -33,8 +43,11 @@ class Command(BaseCommand):
         children = [("daphne", subprocess.Popen(daphne, cwd=settings.BASE_DIR, env=web_env,
                                                 start_new_session=True))]
         if not options["no_workers"]:
-            cluster = base + [str(settings.BASE_DIR / "manage.py"), "qcluster"]
-            children.append(("qcluster", subprocess.Popen(cluster, cwd=settings.BASE_DIR, start_new_session=True)))
+            children.append(("qcluster", subprocess.Popen([*manage, "qcluster"], cwd=settings.BASE_DIR,
+                                                          start_new_session=True)))
+        if options["demo"]:
+            children.append(("demo_stream", subprocess.Popen([*manage, "demo_stream"], cwd=settings.BASE_DIR,
+                                                             start_new_session=True)))
         stopping = {"flag": False}
 
         def stop(signum=None, frame=None):
@@ -44,7 +57,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, stop)
         self.stdout.write(self.style.SUCCESS(
             f"Orchestrator Console on http://{options['host']}:{options['port']}/admin/ "
-            f"({'with' if len(children) > 1 else 'without'} workers); Ctrl-C stops it."))
+            f"({', '.join(name for name, _ in children)}); Ctrl-C stops it."))
         code = 0
         try:
             while not stopping["flag"]:

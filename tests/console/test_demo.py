@@ -1,0 +1,111 @@
+"""The living demo: each beat keeps one gated run, one stuck run and a few ordinary runs going."""
+
+from __future__ import annotations
+
+import random
+from datetime import timedelta
+from io import StringIO
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.utils import timezone
+
+from billing.selectors import account_balance
+from core.models import Organization
+from jobs.models import ACTIVE_JOB_STATES, Job
+from runs import demo
+from runs.invariants import invariants_check
+from runs.models import Run
+from runs.reaper import runs_reap
+from runs.selectors import run_stuck_q
+from tests.drive import drain_jobs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def demo_org(db):
+    call_command("seed_demo", stdout=StringIO())
+    return Organization.objects.get(name=demo.DEMO_ORGANIZATION)
+
+
+def test_a_beat_starts_a_gated_run_a_stuck_run_and_an_ordinary_one(demo_org):
+    beat = demo.demo_tick(organization=demo_org, rng=random.Random(1))
+
+    assert len(beat.did) == 3, beat.did
+    gated = Run.objects.get(name=demo.GATED_NAME)
+    wedged = Run.objects.get(name=demo.WEDGED_NAME)
+    ordinary = Run.objects.filter(organization=demo_org, name__startswith="demo: research")
+    assert gated.status == Run.Status.PENDING and ordinary.count() == 1
+    # The stuck run reached running, but no worker was ever handed its work.
+    assert wedged.status == Run.Status.RUNNING
+    assert not Job.objects.filter(run_id=wedged.pk, state__in=list(ACTIVE_JOB_STATES)).exists()
+
+    # A second beat does not add another gated or stuck run while those are open.
+    again = demo.demo_tick(organization=demo_org, rng=random.Random(1))
+    assert len(again.did) == 1 and "will complete" in again.did[0]
+    assert Run.objects.filter(name=demo.GATED_NAME).count() == 1
+    assert Run.objects.filter(name=demo.WEDGED_NAME).count() == 1
+    assert invariants_check() == []
+
+
+def test_the_demo_runs_reach_the_states_an_operator_practises_on(demo_org, settings):
+    settings.ORCHESTRATOR_RUN_AUTO_RECOVER = False
+    demo.demo_tick(organization=demo_org, rng=random.Random(1))
+    drain_jobs(until=lambda: Run.objects.get(name=demo.GATED_NAME).status == Run.Status.PAUSED
+               and not Job.objects.filter(state__in=list(ACTIVE_JOB_STATES)).exists())
+
+    gated = Run.objects.get(name=demo.GATED_NAME)
+    assert gated.status_reason == "awaiting_approval:release"
+    assert Run.objects.get(name__startswith="demo: research").status == Run.Status.COMPLETED
+
+    # Once its heartbeat is older than the timeout the lost run is stuck, and with automatic
+    # recovery off the reaper leaves it for the recovery runbook.
+    later = timezone.now() + timedelta(seconds=settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S + 5)
+    wedged = Run.objects.get(name=demo.WEDGED_NAME)
+    assert Run.objects.filter(run_stuck_q(now=later), pk=wedged.pk).exists()
+    runs_reap(now=later)
+    assert Run.objects.get(pk=wedged.pk).status == Run.Status.RUNNING
+
+    settings.ORCHESTRATOR_RUN_AUTO_RECOVER = True
+    runs_reap(now=later)
+    wedged.refresh_from_db()
+    assert wedged.status == Run.Status.FAILED and wedged.last_error_code == "heartbeat_timeout"
+    assert invariants_check() == []
+
+
+def test_failing_demo_runs_fail_with_a_retryable_error(demo_org):
+    rng = random.Random()
+    rng.random = lambda: 0.05  # the failing kind
+    demo.demo_tick(organization=demo_org, rng=rng)
+    drain_jobs(until=lambda: Run.objects.filter(name="demo: ingest (fails)", status=Run.Status.FAILED).exists()
+               and Run.objects.get(name=demo.GATED_NAME).status == Run.Status.PAUSED
+               and not Job.objects.filter(state__in=list(ACTIVE_JOB_STATES)).exists(), timeout=30)
+    failed = Run.objects.get(name="demo: ingest (fails)")
+    assert failed.last_error_code and failed.attempts.get().outcome
+    assert invariants_check() == []
+
+
+def test_the_stream_tops_up_credits_when_they_run_low(demo_org, monkeypatch):
+    before = account_balance(organization_id=demo_org.pk)["available"]
+    monkeypatch.setattr(demo, "TOPUP_BELOW", before + 1)
+    beat = demo.demo_tick(organization=demo_org, rng=random.Random(1))
+
+    assert beat.did[0] == f"topped up {demo.TOPUP_AMOUNT} credits"
+    balance = account_balance(organization_id=demo_org.pk)
+    assert balance["available"] + balance["reserved"] == before + demo.TOPUP_AMOUNT
+    assert invariants_check() == []
+
+
+def test_demo_stream_command(demo_org):
+    out = StringIO()
+    call_command("demo_stream", "--once", stdout=out)
+    assert "will wait at the approval gate 'release'" in out.getvalue()
+    assert out.getvalue().rstrip().endswith("demo stream stopped")
+
+
+def test_demo_stream_needs_the_seed(db):
+    with pytest.raises(CommandError, match="seed_demo"):
+        call_command("demo_stream", "--once", stdout=StringIO())
+    with pytest.raises(CommandError, match="greater than zero"):
+        call_command("demo_stream", "--once", "--interval", "0", stdout=StringIO())
