@@ -27,7 +27,10 @@ from core.admin_runbooks import (
     top_values_filter,
 )
 from core.models import AuditRecord, Event
+from diagnosis.admin import RunDiagnosisAdminMixin
+from jobs.admin import ProjectListFilter, run_waiting_jobs_html
 from runs import runbooks
+from runs.admin_pipeline import AcknowledgeDriftForm, ResumeForm, RunPipelineAdminMixin
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -173,11 +176,12 @@ class RecoverForm(RunbookForm):
 # --- runs -------------------------------------------------------------------------------------
 
 @admin.register(Run)
-class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
+class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
     list_display = ("id", "name", "project", "live_status", "status_reason", "priority", "attempt_number",
                     "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "escalated",
                     "last_heartbeat", "created_at")
-    list_filter = ("status", StuckFilter, EscalatedFilter, "failure_mode", "organization", "project", PriorityFilter,
+    list_filter = ("status", StuckFilter, EscalatedFilter, "failure_mode", "organization",
+                   ("project", ProjectListFilter), PriorityFilter,
                    top_values_filter("last_error_code", "error code"),
                    recent_filter("status_changed_at", "status changed"), ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
@@ -192,6 +196,8 @@ class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
                                           "status_changed_at", "started_at", "completed_at", "cancelled_at",
                                           "duration_ms", "replan_count", "deleted_at")}),
         ("Agents → tasks → steps", {"fields": ("hierarchy",)}),
+        ("Gated pipeline", {"fields": ("pipeline_record",)}),
+        ("Queued jobs: why is this waiting?", {"fields": ("waiting_jobs",)}),
         ("Timeline", {"fields": ("recent_events", "audit_trail")}),
         ("Plan", {"fields": ("plan",), "classes": ("collapse",)}),
     ]
@@ -199,13 +205,16 @@ class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
                        "failure_mode", "max_agents", "attempt_number", "max_attempts", "created_by", "credit_limit",
                        "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "last_error",
                        "heartbeat", "created_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
-                       "duration_ms", "replan_count", "deleted_at", "hierarchy", "recent_events", "audit_trail", "plan")
-    actions = ["force_fail", "cancel", "pause", "resume", "retry", "refund", "escalate", "approve_gate", "recover"]
+                       "duration_ms", "replan_count", "deleted_at", "hierarchy", "recent_events", "audit_trail", "plan",
+                       "waiting_jobs", "pipeline_record")
+    actions = ["start", "force_fail", "cancel", "pause", "resume", "retry", "refund", "escalate", "approve_gate", "recover",
+               "acknowledge_drift", "void"]
     runbooks = {runbook.name: runbook for runbook in (
         runbooks.RUN_FORCE_FAIL, runbooks.RUN_CANCEL, runbooks.RUN_PAUSE, runbooks.RUN_RESUME, runbooks.RUN_RETRY,
-        runbooks.RUN_REFUND, runbooks.RUN_ESCALATE, runbooks.RUN_APPROVE_GATE, runbooks.RUN_RECOVER)}
+        runbooks.RUN_REFUND, runbooks.RUN_ESCALATE, runbooks.RUN_APPROVE_GATE, runbooks.RUN_RECOVER,
+        runbooks.RUN_ACKNOWLEDGE_DRIFT, runbooks.RUN_VOID)}
     runbook_forms = {"refund": RefundForm, "escalate": EscalateForm, "approve_gate": ApproveGateForm,
-                     "recover": RecoverForm}
+                     "recover": RecoverForm, "resume": ResumeForm, "acknowledge_drift": AcknowledgeDriftForm}
 
     def get_queryset(self, request):
         # The run page reads organization, project and creator: one join instead of a query each.
@@ -294,6 +303,11 @@ class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
               format_html_join("", "<li>{}<ul>{}</ul></li>", (agent_item(agent) for agent in group)))
              for number, group in sorted(by_attempt.items(), reverse=True)))
 
+    @admin.display(description="waiting jobs")
+    def waiting_jobs(self, run):
+        """The run's jobs not started yet, each with the queue's answer to "why is this waiting?"."""
+        return run_waiting_jobs_html(run.pk)
+
     @admin.display(description="latest events")
     def recent_events(self, run):
         events = list(Event.objects.filter(run_id=run.pk).order_by("-id")[:TIMELINE_LIMIT])
@@ -343,6 +357,7 @@ class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
                            '<p><a href="{}">all audit records of this run</a></p>', rows, url)
 
     # --- runbook actions (each: its permission, a confirmation with a reason, the service) ----
+    has_start_permission = operator_permission("runs.start_run")
     has_force_fail_permission = operator_permission("runs.force_fail_run")
     has_cancel_permission = operator_permission("runs.cancel_run")
     has_pause_permission = operator_permission("runs.pause_run")
@@ -352,6 +367,10 @@ class RunAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     has_escalate_permission = operator_permission("runs.escalate_run")
     has_approve_gate_permission = operator_permission("runs.approve_gate")
     has_recover_permission = operator_permission("runs.recover_run")
+
+    @admin.action(description="Start selected runs…", permissions=["start"])
+    def start(self, request, queryset):
+        return self.runbook_respond(request, queryset, runbooks.RUN_START)
 
     @admin.action(description="Force fail selected runs…", permissions=["force_fail"])
     def force_fail(self, request, queryset):

@@ -1,4 +1,11 @@
-"""The plan format (DESIGN §2.2) and its validation with field-level errors."""
+"""The plan format (DESIGN §2.2 and §4) and its validation with field-level errors.
+
+Gated pipelines add to the plan: ``check`` steps (a registered check with its arguments),
+``approval`` steps, ``pins`` (at the top, and on tool steps that produce them), ``caps``
+(``run_hard_cap_minutes``, ``phase_soft_cap_minutes`` by phase, ``default_phase_soft_cap_minutes``)
+and, on tasks (a pipeline's phases), ``soft_cap_minutes`` and ``idempotency_key``. In a gated
+plan, phase (task) names and gate names are unique across the whole plan.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ from typing import Any
 from django.conf import settings
 
 from core.errors import ValidationFailed
+from runs.checks import CHECKS
 from runs.models import FailureMode, ParallelismMode, Step
+from runs.pins import pins_spec_errors
 from runs.tools import tool_get, tool_names
 
 FAILURE_MODES = {choice.value for choice in FailureMode}
@@ -15,9 +24,67 @@ AGENT_TASK_MODES = {choice.value for choice in ParallelismMode}
 STEP_MODES = {ParallelismMode.SEQUENTIAL.value, ParallelismMode.PARALLEL.value}
 STEP_KINDS = {choice.value for choice in Step.Kind}
 MAX_NAME_LENGTH = 200
+MAX_CAP_MINUTES = 7 * 24 * 60
+PIPELINE_KEY_MAX_LENGTH = 250
 
-# Registered internal checks (``check`` steps); gated pipelines register theirs here.
-CHECKS: dict[str, Any] = {}
+__all__ = ["CHECKS", "plan_validate", "plan_cost_estimate", "plan_is_gated", "plan_task_spec", "plan_step_spec"]
+
+
+def plan_is_gated(plan: Any) -> bool:
+    """A gated pipeline: the plan declares pins or caps, or has a check or approval step."""
+    if not isinstance(plan, dict):
+        return False
+    if plan.get("pins") or plan.get("caps"):
+        return True
+    return any(isinstance(step, dict) and step.get("kind") in ("check", "approval")
+               for agent in plan.get("agents") or [] if isinstance(agent, dict)
+               for task in agent.get("tasks") or [] if isinstance(task, dict)
+               for step in task.get("steps") or [])
+
+
+def plan_task_spec(plan: dict, agent_name: str, task_name: str) -> dict:
+    """The plan's spec of a task ({} when the task is not in the plan, e.g. added by a re-plan)."""
+    for agent in (plan or {}).get("agents") or []:
+        if agent.get("name") == agent_name:
+            for task in agent.get("tasks") or []:
+                if task.get("name") == task_name:
+                    return task
+    return {}
+
+
+def plan_step_spec(plan: dict, agent_name: str, task_name: str, step_name: str) -> dict:
+    for step in plan_task_spec(plan, agent_name, task_name).get("steps") or []:
+        if step.get("name") == step_name:
+            return step
+    return {}
+
+
+def _minutes_errors(value: Any) -> list[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_CAP_MINUTES:
+        return [f"minutes, more than 0 and at most {MAX_CAP_MINUTES}"]
+    return []
+
+
+def _caps_errors(caps: Any) -> dict[str, list[str]]:
+    errors: dict[str, list[str]] = {}
+    if not isinstance(caps, dict):
+        return {"plan.caps": ["must be an object"]}
+    known = {"run_hard_cap_minutes", "phase_soft_cap_minutes", "default_phase_soft_cap_minutes"}
+    for key in caps:
+        if key not in known:
+            errors.setdefault(f"plan.caps.{key}", []).append(f"unknown cap; known: {', '.join(sorted(known))}")
+    for key in ("run_hard_cap_minutes", "default_phase_soft_cap_minutes"):
+        if key in caps and caps[key] is not None:
+            for message in _minutes_errors(caps[key]):
+                errors.setdefault(f"plan.caps.{key}", []).append(message)
+    phases = caps.get("phase_soft_cap_minutes", {})
+    if not isinstance(phases, dict):
+        errors.setdefault("plan.caps.phase_soft_cap_minutes", []).append("must be an object: phase → minutes")
+    else:
+        for phase, minutes in phases.items():
+            for message in _minutes_errors(minutes):
+                errors.setdefault(f"plan.caps.phase_soft_cap_minutes.{phase}", []).append(message)
+    return errors
 
 
 def _name_errors(value: Any) -> list[str]:
@@ -80,8 +147,17 @@ def plan_validate(plan: Any) -> dict:
     if not isinstance(agents, list) or not agents:
         add("plan.agents", "required, a non-empty list")
         agents = []
-    if "pins" in plan and not isinstance(plan["pins"], dict):
-        add("plan.pins", "must be an object")
+    if "pins" in plan:
+        for path, messages in pins_spec_errors(plan["pins"], "plan.pins").items():
+            errors.setdefault(path, []).extend(messages)
+    if "caps" in plan:
+        for path, messages in _caps_errors(plan["caps"]).items():
+            errors.setdefault(path, []).extend(messages)
+    gated = plan_is_gated(plan)
+    phase_names: set[str] = set()
+    gate_names: set[str] = set()
+    pipeline_keys: set[str] = set()
+    pin_dimensions: set[str] = set(plan["pins"]) if isinstance(plan.get("pins"), dict) else set()
     agent_names: set[str] = set()
     for a_index, agent in enumerate(agents):
         a_path = f"agents[{a_index}]"
@@ -114,6 +190,23 @@ def plan_validate(plan: Any) -> dict:
                 task_names.add(task["name"])
             _check_mode(task, "failure_mode", FAILURE_MODES, t_path, errors)
             _check_mode(task, "parallelism_mode", STEP_MODES, t_path, errors)
+            if gated and isinstance(task.get("name"), str):
+                if task["name"] in phase_names:
+                    add(f"{t_path}.name", f"phase {task['name']!r} is named twice: in a gated pipeline task "
+                                          "names are unique across agents")
+                phase_names.add(task["name"])
+            if "soft_cap_minutes" in task:
+                for message in _minutes_errors(task["soft_cap_minutes"]):
+                    add(f"{t_path}.soft_cap_minutes", message)
+            if "idempotency_key" in task:
+                key = task["idempotency_key"]
+                if not isinstance(key, str) or not key.strip() or len(key) > PIPELINE_KEY_MAX_LENGTH:
+                    add(f"{t_path}.idempotency_key", f"a non-empty string of at most {PIPELINE_KEY_MAX_LENGTH} "
+                                                     "characters")
+                elif key in pipeline_keys:
+                    add(f"{t_path}.idempotency_key", f"key {key!r} is used by another phase of this plan")
+                else:
+                    pipeline_keys.add(key)
             steps = task.get("steps")
             if not isinstance(steps, list) or not steps:
                 add(f"{t_path}.steps", "required, a non-empty list")
@@ -145,13 +238,36 @@ def plan_validate(plan: Any) -> dict:
                     else:
                         for message in tool.validate(args):
                             add(f"{s_path}.args", message)
-                elif kind == "check":
-                    if not isinstance(step.get("check"), str) or step["check"] not in CHECKS:
+                    if "pins" in step:
+                        for path, messages in pins_spec_errors(step["pins"], f"{s_path}.pins").items():
+                            errors.setdefault(path, []).extend(messages)
+                        for dimension in step["pins"] if isinstance(step["pins"], dict) else []:
+                            if dimension in pin_dimensions:
+                                add(f"{s_path}.pins.{dimension}", f"pin {dimension!r} is declared twice in this plan")
+                            pin_dimensions.add(dimension)
+                elif "pins" in step:
+                    add(f"{s_path}.pins", "only tool steps produce pins")
+                gate_name = None
+                if kind == "check":
+                    check = CHECKS.get(step["check"]) if isinstance(step.get("check"), str) else None
+                    if check is None:
                         known = ", ".join(sorted(CHECKS)) or "none"
                         add(f"{s_path}.check", f"unknown check {step.get('check')!r}; registered: {known}")
+                    else:
+                        for message in check.validate(args):
+                            add(f"{s_path}.args", message)
+                    if "gate" in step:
+                        for message in _name_errors(step.get("gate")):
+                            add(f"{s_path}.gate", message)
+                    gate_name = step.get("gate", step.get("name"))
                 elif kind == "approval":
                     for message in _name_errors(step.get("gate")):
                         add(f"{s_path}.gate", message)
+                    gate_name = step.get("gate")
+                if isinstance(gate_name, str):
+                    if gate_name in gate_names:
+                        add(f"{s_path}.gate", f"gate {gate_name!r} is named twice: gate names are unique in a plan")
+                    gate_names.add(gate_name)
         if agent.get("parallelism_mode") == "dag" or any(
             isinstance(t, dict) and t.get("depends_on") for t in tasks
         ):

@@ -1,10 +1,12 @@
 """The run reaper (DESIGN §2.1 timeouts), run by the workers' shared maintenance.
 
-Pending, running, resuming and retrying runs past their timeout fail; a running run whose
+Gated runs past a time cap (seed 002 §6) stop and escalate. Pending, running, resuming and
+retrying runs past their timeout fail; a running run whose
 worker stopped sending heartbeats fails with ``heartbeat_timeout`` (unless its work is only
 waiting in the queue); paused runs past theirs are cancelled. Every path goes through the run
 services, so the unused reservation is refunded. Active runs with no job at all (a lost
-message, a crash between commit and enqueue) are handed to a worker again.
+message, a crash between commit and enqueue) are handed to a worker again. With
+``ORCHESTRATOR_RUN_AUTO_RECOVER`` off, those last two are left to the recovery runbook.
 """
 
 from __future__ import annotations
@@ -58,6 +60,11 @@ def runs_reap(*, now=None) -> dict[str, int]:
         stale = Run.objects.filter(status=status).filter(**{f"{field}__lt": since}).values_list("pk", flat=True)
         for run_id in stale:
             done["timed_out"] += _end(run_id, action, code, f"{status} for more than {seconds} s")
+    from runs.caps import runs_caps_enforce
+
+    done["capped"] = runs_caps_enforce(now=now)  # gated runs past a time cap stop and escalate
+    if not settings.ORCHESTRATOR_RUN_AUTO_RECOVER:  # silent and orphaned runs are left to operators
+        return done
     waiting = Job.objects.filter(run_id=OuterRef("pk"), state__in=[JobState.RECEIVED, JobState.QUEUED,
                                                                       JobState.AWAITING_TOOL])
     silent = now - timedelta(seconds=settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S)

@@ -16,8 +16,8 @@ from django_fsm import can_proceed
 from billing.selectors import account_balance
 from core.runbooks import Plan, Runbook, Skip
 from core.services import actor_label
-from runs import escalations, gates, services
-from runs.models import SETTLED_RUN_STATES, ApprovalRequest, EscalationTicket, Run
+from runs import escalations, gates, pipeline, services
+from runs.models import SETTLED_RUN_STATES, ApprovalRequest, EscalationTicket, PipelineKey, Run
 from runs.selectors import run_held_credits, run_open_escalation, runs_heartbeat_stale
 
 FORCE_FAIL_CODE = "force_failed"
@@ -48,6 +48,27 @@ def _refusal(run: Run, method_name: str) -> str:
 
 def _released_since(run: Run, refunded_before: int) -> str:
     return f"{run.credits_refunded - refunded_before} credits released"
+
+
+# --- start --------------------------------------------------------------------------------
+
+def _start_plan(run: Run, options: dict) -> Plan:
+    skip = {Run.Status.CREATED: ""}.get(run.status, f"already started ({run.status})")
+    available = account_balance(organization_id=run.organization_id)["available"]
+    return Plan(current=run.status, change=f"{run.status} → pending",
+                credits=f"reserves {run.credit_limit} credits ({available} available)", skip=skip,
+                refusal="" if skip else _refusal(run, "start"))
+
+
+def _start(run: Run, *, actor, reason: str, options: dict) -> str:
+    before = run.status
+    run = services.run_start(run_id=run.pk, actor=actor, reason=reason)
+    if before == run.status:
+        raise Skip(f"already {run.status}")
+    return f"{before} → {run.status}; {run.credit_limit} credits reserved"
+
+
+RUN_START = Runbook(name="start", title="Start", permission="runs.start_run", plan=_start_plan, perform=_start)
 
 
 # --- force fail ---------------------------------------------------------------------------
@@ -110,29 +131,108 @@ def _pause(run: Run, *, actor, reason: str, options: dict) -> str:
 RUN_PAUSE = Runbook(name="pause", title="Pause", permission="runs.pause_run", plan=_pause_plan, perform=_pause)
 
 
+def _current(run: Run) -> str:
+    return f"{run.status} ({run.status_reason})" if run.status_reason else run.status
+
+
 def _resume_plan(run: Run, options: dict) -> Plan:
-    if run.status in (Run.Status.RESUMING, Run.Status.RUNNING):
+    """Seed 002 §7: completed → nothing to do; failed → refused; awaiting approval → only with an
+    approval reference; stopped on drift → only once acknowledged; a gated run's pins and last
+    passed gate are checked again before it goes on."""
+    skip = refusal = warning = ""
+    change = f"{run.status} → resuming"
+    if run.status in (Run.Status.RESUMING, Run.Status.RUNNING, Run.Status.COMPLETED):
         skip = f"already {run.status}"
-    else:
+    elif run.status == Run.Status.FAILED:
+        refusal = f"it failed ({run.last_error_code}): retry it (a new attempt) or void it"
+    elif run.status == Run.Status.CANCELLED:
         skip = _ended(run)
-    warning = ""
-    if run.status_reason.startswith("awaiting_approval:"):
-        gate = run.status_reason.split(":", 1)[1]
-        warning = f"waiting for an approval of gate {gate!r}: approve the gate, or the gate asks again"
-    return Plan(current=run.status, change=f"{run.status} → resuming", credits=_held(run) + " (nothing moves)",
-                skip=skip, refusal=_refusal(run, "resume"), warning=warning)
+    else:
+        refusal = _refusal(run, "resume")
+    if not skip and not refusal and run.status_reason.startswith(gates.AWAITING_APPROVAL):
+        gate = run.status_reason[len(gates.AWAITING_APPROVAL):]
+        ref = options.get("approval_ref") or ""
+        if not ref:
+            refusal = f"waiting for an approval of gate {gate!r}: give its approval reference (or approve the gate)"
+        else:
+            change = f"gate {options.get('gate') or gate!r} approved with {ref!r}; {run.status} → resuming"
+    elif not skip and not refusal and run.gated:
+        drift = pipeline.drift_open(run).order_by("id").first()
+        if drift is not None:
+            refusal = (f"stopped on drift of {drift.dimension!r} (recorded {drift.recorded!r}, live {drift.live!r}): "
+                       "acknowledge it first")
+        else:
+            warning = "the pins and the last passed gate are checked again first; drift stops the run again"
+    return Plan(current=_current(run), change=change, credits=_held(run) + " (nothing moves)", skip=skip,
+                refusal=refusal, warning=warning)
 
 
 def _resume(run: Run, *, actor, reason: str, options: dict) -> str:
-    before = run.status
-    run = services.run_resume(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}"
+    before = _current(run)
+    result = gates.pipeline_resume(run_id=run.pk, actor=actor, reason=reason, gate=options.get("gate") or None,
+                                   approval_ref=options.get("approval_ref") or None)
+    if result.outcome == "nothing":
+        raise Skip(result.detail)
+    if result.outcome == "stopped_drift":  # recorded and committed: the run stays stopped
+        raise gates.DriftDetected(f"not resumed: {result.detail} (" + "; ".join(
+            f"{d['dimension']}: recorded {d['recorded']!r}, live {d['live']!r}" for d in result.drift) + ")")
+    run.refresh_from_db()
+    return f"{before} → {run.status}" + (f"; {result.detail}" if result.detail else "")
 
 
 RUN_RESUME = Runbook(name="resume", title="Resume", permission="runs.resume_run", plan=_resume_plan,
-                     perform=_resume)
+                     perform=_resume, option_names=("gate", "approval_ref"))
+
+
+# --- acknowledge drift and void (gated pipelines) ------------------------------------------
+
+def _acknowledge_drift_plan(run: Run, options: dict) -> Plan:
+    open_drift = pipeline.drift_open(run).order_by("id")
+    if options.get("dimension"):
+        open_drift = open_drift.filter(dimension=options["dimension"])
+    found = list(open_drift)
+    skip = "" if found else "no unacknowledged drift" + (f" of {options['dimension']!r}"
+                                                         if options.get("dimension") else "")
+    what = "; ".join(f"{d.dimension}: recorded {d.recorded!r} → live {d.live!r}" for d in found)
+    return Plan(current=_current(run),
+                change=f"acknowledges {what or 'nothing'} (a pin takes its live value; the run stays {run.status})",
+                credits=_held(run) + " (nothing moves)", skip=skip)
+
+
+def _acknowledge_drift(run: Run, *, actor, reason: str, options: dict) -> str:
+    drifts = gates.drift_acknowledge(run_id=run.pk, actor=actor, reason=reason,
+                                     dimension=options.get("dimension") or None)
+    return "acknowledged " + ", ".join(d.dimension for d in drifts) + "; resume the run to continue"
+
+
+RUN_ACKNOWLEDGE_DRIFT = Runbook(name="acknowledge_drift", title="Acknowledge drift",
+                                permission="runs.acknowledge_drift", plan=_acknowledge_drift_plan,
+                                perform=_acknowledge_drift, option_names=("dimension",))
+
+
+def _void_plan(run: Run, options: dict) -> Plan:
+    skip = refusal = ""
+    if run.status == Run.Status.CANCELLED and run.status_reason.startswith(services.VOIDED_PREFIX):
+        skip = f"already voided ({run.status_reason})"
+    elif run.status not in (Run.Status.PAUSED, Run.Status.FAILED):
+        refusal = f"only a stopped run (paused or failed) can be voided; it is {run.status}"
+    keys = PipelineKey.objects.filter(run=run, released_at__isnull=True).count()
+    pending = ApprovalRequest.objects.filter(run=run, status=ApprovalRequest.Status.PENDING).count()
+    return Plan(current=_current(run),
+                change=f"{run.status} → cancelled (voided:<reason>); releases {keys} phase keys, voids {pending} "
+                       "pending approvals",
+                credits=_releases(run), skip=skip, refusal=refusal)
+
+
+def _void(run: Run, *, actor, reason: str, options: dict) -> str:
+    before, refunded = run.status, run.credits_refunded
+    run = services.run_void(run_id=run.pk, actor=actor, reason=reason)
+    if before == run.status:
+        raise Skip(f"already voided ({run.status_reason})")
+    return f"{before} → {run.status} ({run.status_reason}); {_released_since(run, refunded)}"
+
+
+RUN_VOID = Runbook(name="void", title="Void", permission="runs.void_run", plan=_void_plan, perform=_void)
 
 
 # --- retry --------------------------------------------------------------------------------

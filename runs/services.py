@@ -30,6 +30,7 @@ from billing.selectors import account_balance
 from core.errors import CreditLimitExceeded, InsufficientCredits, InvalidTransition, NotFound, ValidationFailed
 from core.models import Project
 from core.services import audit_record, event_record, transition_log
+from runs import pipeline
 from runs.models import (
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
@@ -45,7 +46,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
-from runs.plan import plan_cost_estimate, plan_validate
+from runs.plan import plan_cost_estimate, plan_is_gated, plan_validate
 from runs.tools import tool_get
 
 STEP_BACKOFF_BASE_MS = 100
@@ -54,6 +55,8 @@ STEP_BACKOFF_CAP_MS = 30_000
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
 # The execution engine registers itself here; nothing is called when none is registered.
 RUN_DISPATCHERS: list[Callable[[int], None]] = []
+# Called after commit with the id of every failed step attempt (diagnosis registers here).
+STEP_FAILURE_HOOKS: list[Callable[[int], None]] = []
 
 
 def _dispatch_after_commit(run_id: int) -> None:
@@ -98,6 +101,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if before["status"] != run.status:
         run.status_changed_at = now
     run.save()
+    pipeline.pipeline_clock(run, before_status=before["status"])
     payload = {
         "run": run.pk,
         "name": run.name,
@@ -213,6 +217,8 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
     if error is not None:
         node.last_error_code, node.last_error = error
     node.save()
+    if isinstance(node, Task) and run.gated:
+        pipeline.phase_moved(run, node, action=action)
     if emit:
         _node_event(node, before=before, run=run)
 
@@ -277,10 +283,11 @@ def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0)
 @transaction.atomic
 def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
                failure_mode: str = FailureMode.FAIL_FAST, max_attempts: int = 3,
-               credit_limit: int | None = None, actor=None, reason: str = "") -> Run:
+               credit_limit: int | None = None, actor=None, reason: str = "", mode: str = "live") -> Run:
     """Create a run in ``created`` after validating the plan and the organization's credits.
 
     ``credit_limit`` (credits reserved per attempt) defaults to the plan's worst-case cost.
+    ``mode`` ``dryrun`` runs the checks and gates but executes no tool step (nothing is charged).
     Nothing is written when the input is invalid or the credits are not available.
     """
     errors: dict[str, list[str]] = {}
@@ -297,6 +304,8 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
     if credit_limit is not None and (isinstance(credit_limit, bool) or not isinstance(credit_limit, int)
                                      or credit_limit <= 0):
         errors["credit_limit"] = ["a whole number greater than zero"]
+    if mode not in ("live", "dryrun"):
+        errors["mode"] = ["one of live, dryrun"]
     try:
         plan_validate(plan)
     except ValidationFailed as exc:
@@ -314,6 +323,7 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
         failure_mode=failure_mode, max_attempts=max_attempts, credit_limit=limit,
         max_agents=plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS),
         created_by=actor if getattr(actor, "pk", None) else None, status_changed_at=timezone.now(),
+        mode=mode, gated=plan_is_gated(plan),
     )
     before = {"status": "", "attempt": 1}
     _record_run_change(run, before=before, action="create", actor=actor, reason=reason)
@@ -333,6 +343,7 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="start", why="deleted")
     before = _snapshot(run)
     _apply(run, "start")
+    pipeline.pipeline_keys_claim(run)  # a gated run's phase keys; another run's key refuses the start
     attempt, _ = RunAttempt.objects.get_or_create(run=run, number=run.attempt_number)
     _reserve(run, attempt, actor=actor, reason=reason)
     _record_run_change(run, before=before, action="start", actor=actor, reason=reason)
@@ -353,7 +364,8 @@ def run_mark_running(*, run_id: int) -> Run:
     run.last_heartbeat = now
     if not from_resuming:
         run.started_at = run.started_at or now
-        _spawn_hierarchy(run)
+        if _spawn_hierarchy(run):
+            pipeline.pipeline_begin(run)
     run.status_reason = ""
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
@@ -485,6 +497,8 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     run = _lock_run(run_id)
     if run.status == Run.Status.RESUMING:
         return run
+    if run.gated and run.status == Run.Status.PAUSED:
+        pipeline.drift_refuse_unacknowledged(run)  # a stopped_drift run waits for an acknowledgment
     before = _snapshot(run)
     _apply(run, "resume")
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
@@ -498,6 +512,18 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     return run
 
 
+def _end_cancelled(run: Run, *, actor, reason: str) -> RunAttempt | None:
+    """A run just moved to cancelled (cancel or void): end its live agents, release every credit
+    not charged and stamp the end. Returns the attempt, for the caller to close."""
+    attempt = _current_attempt(run)
+    _terminate_live_nodes(run, attempt_number=run.attempt_number)
+    _settle(run, attempt, actor=actor, reason=reason)
+    now = timezone.now()
+    run.cancelled_at = now
+    run.duration_ms = _duration_ms(run, now)
+    return attempt
+
+
 @transaction.atomic
 def run_cancel(*, run_id: int, actor=None, reason: str = "", code: str = "cancelled") -> Run:
     """created|pending|running|paused → cancelled: end live agents, release every credit not
@@ -508,17 +534,49 @@ def run_cancel(*, run_id: int, actor=None, reason: str = "", code: str = "cancel
         return run
     before = _snapshot(run)
     _apply(run, "cancel")
-    attempt = _current_attempt(run)
-    _terminate_live_nodes(run, attempt_number=run.attempt_number)
-    _settle(run, attempt, actor=actor, reason=reason)
-    now = timezone.now()
-    run.cancelled_at = now
-    run.duration_ms = _duration_ms(run, now)
+    attempt = _end_cancelled(run, actor=actor, reason=reason)
     if code != "cancelled":
         run.last_error_code = code
         run.last_error = reason or code
     _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code=code)
-    _record_run_change(run, before=before, action="cancel", actor=actor, reason=reason)
+    released = (pipeline.pipeline_keys_release(run, reason=f"cancelled: {reason}" if reason else "cancelled")
+                if run.gated else [])
+    _record_run_change(run, before=before, action="cancel", actor=actor, reason=reason,
+                       extra={"released_keys": released} if released else None)
+    return run
+
+
+VOIDED_PREFIX = "voided:"
+
+
+@transaction.atomic
+def run_void(*, run_id: int, actor=None, reason: str) -> Run:
+    """paused|failed → cancelled with the status reason ``voided:<reason>`` (seed 002's void): end
+    live agents, release every credit not charged, release the run's phase idempotency keys (a
+    new run may claim them) and void its pending approval requests. Already voided: no-op.
+    """
+    from runs.models import ApprovalRequest
+
+    reason = (reason or "").strip()
+    if not reason:
+        raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
+    run = _lock_run(run_id)
+    if run.status == Run.Status.CANCELLED and run.status_reason.startswith(VOIDED_PREFIX):
+        return run
+    if not can_proceed(run.void):
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="void",
+                                why="only a stopped run (paused or failed) can be voided")
+    before = _snapshot(run)
+    run.void()
+    attempt = _end_cancelled(run, actor=actor, reason=reason)
+    run.status_reason = f"{VOIDED_PREFIX}{reason}"[:200]
+    if attempt is not None and not attempt.outcome:
+        _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code="voided")
+    released = pipeline.pipeline_keys_release(run, reason=f"voided: {reason}")
+    voided = ApprovalRequest.objects.filter(run=run, status=ApprovalRequest.Status.PENDING).update(
+        status=ApprovalRequest.Status.VOIDED)
+    _record_run_change(run, before=before, action="void", actor=actor, reason=reason,
+                       extra={"released_keys": released, "voided_approvals": voided})
     return run
 
 
@@ -790,8 +848,9 @@ def _discard(attempt: StepAttempt) -> None:
         attempt.save(update_fields=["outcome", "finished_at"])
 
 
-def _step_cost(step: Step) -> int:
-    tool = tool_get(step.tool) if step.kind == Step.Kind.TOOL else None
+def _step_cost(step: Step, run: Run) -> int:
+    """A tool's cost per attempt; gates, and every step of a dry run, cost nothing."""
+    tool = tool_get(step.tool) if step.kind == Step.Kind.TOOL and run.mode != "dryrun" else None
     return tool.cost if tool else 0
 
 
@@ -809,7 +868,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
         _discard(attempt)
         return StepOutcome("discarded", step.pk)
     run_attempt = _current_attempt(run)
-    cost = _step_cost(step)
+    cost = _step_cost(step, run)
     if cost:
         try:
             _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
@@ -824,6 +883,8 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     step.credits_charged += cost
     _node_move(step, "complete", run=run)
     run.save(update_fields=["credits_charged", "updated_at"])
+    if run.gated:
+        pipeline.step_pins_record(run, step)
     _after_step_done(run, step.task)
     return StepOutcome("completed", step.pk)
 
@@ -864,7 +925,7 @@ def step_attempt_abandon(*, attempt_id: int) -> StepOutcome:
 
 def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, message: str, retryable: bool,
                     charge: bool) -> StepOutcome:
-    cost = _step_cost(step) if charge else 0
+    cost = _step_cost(step, run) if charge else 0
     if cost:
         try:
             _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
@@ -877,6 +938,8 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     attempt.error = message
     attempt.finished_at = timezone.now()
     attempt.save()
+    for hook in STEP_FAILURE_HOOKS:
+        transaction.on_commit(lambda hook=hook, attempt_id=attempt.pk: hook(attempt_id))
     step.credits_charged += cost
     step.last_error_code, step.last_error = code, message
     if cost:

@@ -8,7 +8,18 @@ from rest_framework import serializers
 
 from core.api.serializers import json_without_nul
 from core.api.tenancy import MAX_ID
-from runs.models import Agent, EscalationTicket, FailureMode, NodeStatus, Run, Step, Task
+from runs.models import (
+    Agent,
+    ApprovalRequest,
+    DriftRecord,
+    EscalationTicket,
+    FailureMode,
+    GateReceipt,
+    NodeStatus,
+    Run,
+    Step,
+    Task,
+)
 
 NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": 200}
 PLAN_SCHEMA = {
@@ -17,7 +28,10 @@ PLAN_SCHEMA = {
     "required": ["agents"],
     "properties": {
         "max_agents": {"type": "integer", "minimum": 1, "maximum": 100},
-        "pins": {"type": "object"},
+        "pins": {"type": "object", "description": "dimension → {provider: file_sha256 | run_field | setting, args}: "
+                                                  "recorded when the run begins, re-checked before every check"},
+        "caps": {"type": "object", "description": "run_hard_cap_minutes (60), phase_soft_cap_minutes (phase → "
+                                                  "minutes), default_phase_soft_cap_minutes"},
         "agents": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["name", "tasks"],
             "properties": {
@@ -31,6 +45,9 @@ PLAN_SCHEMA = {
                         "failure_mode": {"type": "string", "enum": FailureMode.values},
                         "parallelism_mode": {"type": "string", "enum": ["sequential", "parallel"]},
                         "depends_on": {"type": "array", "items": {"type": "string"}},
+                        "soft_cap_minutes": {"type": "number", "description": "this phase's soft cap"},
+                        "idempotency_key": {"type": "string", "description": "this phase's key, held by one run "
+                                                                             "at a time (released when voided)"},
                         "steps": {"type": "array", "minItems": 1, "items": {
                             "type": "object", "required": ["name"],
                             "properties": {
@@ -38,8 +55,10 @@ PLAN_SCHEMA = {
                                 "kind": {"type": "string", "enum": Step.Kind.values},
                                 "tool": {"type": "string", "description": "echo, sleep, http_request, fail ..."},
                                 "args": {"type": "object"},
-                                "check": {"type": "string"},
+                                "check": {"type": "string",
+                                          "description": "ledger_balanced, file_digest, http_ok, expect ..."},
                                 "gate": {"type": "string"},
+                                "pins": {"type": "object", "description": "pins a tool step produces"},
                             },
                         }},
                     },
@@ -66,6 +85,8 @@ class RunCreateSerializer(serializers.Serializer):
                                             help_text="credits reserved per attempt (default: the plan's "
                                                       "worst-case cost)")
     reason = serializers.CharField(max_length=1000, required=False, allow_blank=True, default="")
+    mode = serializers.ChoiceField(choices=[("live", "live"), ("dryrun", "dryrun")], default="live",
+                                   help_text="dryrun: checks and gates run, tool steps are not executed")
 
 
 class ActionSerializer(serializers.Serializer):
@@ -78,6 +99,22 @@ class ApproveSerializer(ActionSerializer):
     approval_ref = serializers.CharField(max_length=300, help_text="a reference used by no other approval")
 
 
+class ResumeSerializer(ActionSerializer):
+    gate = serializers.CharField(max_length=200, required=False, allow_blank=True, default="",
+                                 help_text="a run awaiting approval: the gate (default: the one it waits for)")
+    approval_ref = serializers.CharField(max_length=300, required=False, allow_blank=True, default="",
+                                         help_text="a run awaiting approval: the approval reference")
+
+
+class ReasonRequiredSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=1000, help_text="why (required; kept in the audit trail)")
+
+
+class AcknowledgeDriftSerializer(ReasonRequiredSerializer):
+    dimension = serializers.CharField(max_length=250, required=False, allow_blank=True, default="",
+                                      help_text="acknowledge this dimension only (default: every open drift)")
+
+
 class ErrorInfoSerializer(serializers.Serializer):
     code = serializers.CharField()
     message = serializers.CharField()
@@ -86,7 +123,7 @@ class ErrorInfoSerializer(serializers.Serializer):
 _DATETIME = serializers.DateTimeField(read_only=True)
 RUN_FIELDS = ("id", "organization_id", "project_id", "name", "status", "status_reason", "priority", "failure_mode",
               "max_agents", "attempt_number", "max_attempts", "credit_limit", "credits_reserved", "credits_charged",
-              "credits_refunded", "replan_count")
+              "credits_refunded", "replan_count", "mode")
 RUN_TIMES = ("created_at", "updated_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
              "last_heartbeat")
 
@@ -122,6 +159,7 @@ class RunSerializer(serializers.Serializer):
     credits_charged = serializers.IntegerField()
     credits_refunded = serializers.IntegerField()
     replan_count = serializers.IntegerField()
+    mode = serializers.ChoiceField(choices=[("live", "live"), ("dryrun", "dryrun")])
     last_error = ErrorInfoSerializer(allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
@@ -169,14 +207,57 @@ class RunCountsSerializer(serializers.Serializer):
     steps = NodeCountsSerializer()
 
 
+class DriftSerializer(serializers.Serializer):
+    dimension = serializers.CharField()
+    recorded = serializers.JSONField(allow_null=True)
+    live = serializers.JSONField(allow_null=True)
+    status = serializers.ChoiceField(choices=DriftRecord.Status.choices)
+
+
+class GatePassedSerializer(serializers.Serializer):
+    gate = serializers.CharField()
+    check = serializers.CharField()
+    finished_at = serializers.DateTimeField()
+
+
+class PipelineSerializer(serializers.Serializer):
+    pins = serializers.DictField(child=serializers.JSONField(allow_null=True), help_text="dimension → value")
+    drift = DriftSerializer(many=True, help_text="drift of the current attempt, open or acknowledged")
+    awaiting_approval = serializers.ListField(child=serializers.CharField(), help_text="gates waiting")
+    gates_passed = GatePassedSerializer(many=True)
+
+
+def pipeline_as_dict(run: Run) -> dict | None:
+    """A gated run's pins, drift, pending approvals and passed gates (None for other runs)."""
+    if not run.gated:
+        return None
+    from runs.pins import pins_values
+
+    current = {"run": run, "attempt_number": run.attempt_number}
+    return {
+        "pins": pins_values(run),
+        "drift": [{"dimension": d.dimension, "recorded": d.recorded, "live": d.live, "status": d.status}
+                  for d in DriftRecord.objects.filter(**current).order_by("id")],
+        "awaiting_approval": list(ApprovalRequest.objects.filter(**current, status=ApprovalRequest.Status.PENDING)
+                                  .order_by("id").values_list("gate", flat=True)),
+        "gates_passed": [{"gate": r.gate, "check": r.check_name,
+                          "finished_at": _DATETIME.to_representation(r.finished_at)}
+                         for r in GateReceipt.objects.filter(**current, passed=True, kind=GateReceipt.Kind.GATE)
+                         .order_by("id")],
+    }
+
+
 class RunDetailSerializer(RunSerializer):
-    """A run with its plan and the counts of its current attempt's agents, tasks and steps."""
+    """A run with its plan, the counts of its current attempt's agents, tasks and steps, and (for a
+    gated pipeline) its pins, drift, pending approvals and passed gates."""
 
     plan = PlanField()
     counts = RunCountsSerializer(help_text="agents, tasks and steps of the current attempt by status")
+    pipeline = PipelineSerializer(allow_null=True, help_text="gated pipelines only")
 
     def to_representation(self, instance: Run) -> dict:
-        return {**run_as_dict(instance), "plan": instance.plan, "counts": _node_counts(instance)}
+        return {**run_as_dict(instance), "plan": instance.plan, "counts": _node_counts(instance),
+                "pipeline": pipeline_as_dict(instance)}
 
 
 class EscalationSerializer(serializers.ModelSerializer):

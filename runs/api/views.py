@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
-from core.api.schema import errors
+from core.api.schema import ERROR_CODES, errors
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
@@ -30,15 +30,31 @@ from core.api.tenancy import (
 )
 from runs import escalations, gates, services
 from runs.api.serializers import (
+    AcknowledgeDriftSerializer,
     ActionSerializer,
     ApproveSerializer,
     EscalationSerializer,
+    ReasonRequiredSerializer,
     ResolveSerializer,
+    ResumeSerializer,
     RunCreateSerializer,
     RunDetailSerializer,
     RunSerializer,
 )
 from runs.models import EscalationTicket, Run
+from runs.sidecar import sidecar_build
+
+# The error codes of gated pipelines, described in the schema with the rest.
+for _code, _description in {
+    "approval_required": (409, "the run waits for an approval: resume it with `gate` and `approval_ref`"),
+    "drift_unacknowledged": (409, "the run stopped on drift no operator acknowledged (`dimension`, `recorded`, "
+                                  "`live`)"),
+    "drift_not_pending": (409, "the run has no unacknowledged drift"),
+    "drift_detected": (409, "resuming found drift: the run stays stopped as `stopped_drift:<dimension>`"),
+    "pipeline_key_in_use": (409, "a phase's idempotency key is held by another run (`key`, `run`)"),
+    "run_busy": (409, "the run changed while it was being checked; try again"),
+}.items():
+    ERROR_CODES.setdefault(_code, _description)
 
 
 def visible_runs(request):
@@ -103,7 +119,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         data = serializer.validated_data
         run = services.run_create(project=project, name=data["name"], plan=data["plan"], priority=data["priority"],
                                   failure_mode=data["failure_mode"], max_attempts=data["max_attempts"],
-                                  credit_limit=data.get("credit_limit"), actor=request.user, reason=data["reason"])
+                                  credit_limit=data.get("credit_limit"), actor=request.user, reason=data["reason"],
+                                  mode=data["mode"])
         return self._detail(run, status.HTTP_201_CREATED)
 
     def destroy(self, request, pk=None):
@@ -116,7 +133,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         run = service(run_id=self.get_object().pk, actor=request.user, reason=serializer.validated_data["reason"])
         return self._detail(run)  # the service's own copy, saved under the row lock
 
-    @_action_schema("Start: created → pending (reserves credits)", "insufficient_credits", "queue_full")
+    @_action_schema("Start: created → pending (reserves credits)", "insufficient_credits", "queue_full",
+                    "pipeline_key_in_use")
     @action(detail=True, methods=["post"])
     def start(self, request, pk=None):
         return self._act(request, services.run_start)
@@ -131,10 +149,58 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     def pause(self, request, pk=None):
         return self._act(request, services.run_pause)
 
-    @_action_schema("Resume a paused run", "queue_full")
+    @extend_schema(summary="Resume a paused run (seed 002 §7: a gated run's pins and last passed gate are "
+                           "checked again; a run awaiting approval needs `gate` and `approval_ref`)",
+                   request=ResumeSerializer,
+                   responses={200: RunDetailSerializer,
+                              **errors("not_found", "invalid_transition", "approval_required", "approval_reused",
+                                       "approval_not_pending", "drift_unacknowledged", "drift_detected", "run_busy",
+                                       "queue_full")})
     @action(detail=True, methods=["post"])
     def resume(self, request, pk=None):
-        return self._act(request, services.run_resume)
+        serializer = ResumeSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        result = gates.pipeline_resume(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
+                                       gate=data["gate"] or None, approval_ref=data["approval_ref"] or None)
+        if result.outcome == "stopped_drift":
+            first = result.drift[0]
+            raise gates.DriftDetected(f"run {result.run.pk} did not resume: {result.detail} (recorded "
+                                      f"{first['recorded']!r}, live {first['live']!r}); acknowledge the drift first",
+                                      status_reason=result.detail, drift=result.drift)
+        return self._detail(Run.objects.get(pk=result.run.pk))
+
+    @extend_schema(summary="Acknowledge the drift a run stopped on (the live value becomes the pin)",
+                   request=AcknowledgeDriftSerializer,
+                   responses={200: RunDetailSerializer,
+                              **errors("not_found", "drift_not_pending")})
+    @action(detail=True, methods=["post"], url_path="acknowledge-drift")
+    def acknowledge_drift(self, request, pk=None):
+        serializer = AcknowledgeDriftSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        gates.drift_acknowledge(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
+                                dimension=data["dimension"] or None)
+        return self._detail(Run.objects.get(pk=self.get_object().pk))
+
+    @extend_schema(summary="Void a stopped run (paused or failed): cancelled as voided:<reason>, its phase keys "
+                           "released, unused credits refunded",
+                   request=ReasonRequiredSerializer,
+                   responses={200: RunDetailSerializer, **errors("not_found", "invalid_transition")})
+    @action(detail=True, methods=["post"])
+    def void(self, request, pk=None):
+        serializer = ReasonRequiredSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        run = services.run_void(run_id=self.get_object().pk, actor=request.user,
+                                reason=serializer.validated_data["reason"])
+        return self._detail(run)
+
+    @extend_schema(summary="The run's sidecar (seed 002 §5, schema_version 1)",
+                   responses={200: {"type": "object", "description": "see runs/sidecar.schema.json"},
+                              **errors("not_found")})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def sidecar(self, request, pk=None):
+        return Response(sidecar_build(self.get_object()))
 
     @_action_schema("Retry a failed run (a new attempt and reservation)", "insufficient_credits", "queue_full")
     @action(detail=True, methods=["post"])
