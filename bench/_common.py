@@ -33,6 +33,8 @@ def scratch_database(kind: str, name: str = "orchestrator_bench") -> dict[str, s
         os.environ.pop("DATABASE_URL", None)
     os.environ.update(env)
     os.environ["DJANGO_SETTINGS_MODULE"] = "orchestrator_site.settings"
+    # A benchmark prints figures, not one log line per transition (its children inherit this).
+    os.environ.setdefault("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "WARNING")
     return env
 
 
@@ -44,12 +46,18 @@ def django_setup() -> None:
     call_command("migrate", verbosity=0)
 
 
+def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """A child process in its own session, with this environment plus ``env``, output to ``log``."""
+    return subprocess.Popen(argv, cwd=BASE_DIR, env={**os.environ, **env}, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def start_cluster(env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "manage.py", "qcluster"], cwd=BASE_DIR, env={**os.environ, **env},
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return start_process([sys.executable, "manage.py", "qcluster"], env, log)
 
 
-def stop_cluster(process: subprocess.Popen) -> None:
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM, up to 30 s, then SIGKILL to its whole session (children included); reaped."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -60,6 +68,10 @@ def stop_cluster(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    process.wait(10)
+
+
+stop_cluster = stop_process
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -22,7 +22,6 @@ import argparse
 import http.client
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 
 BENCH_DIR = str(Path(__file__).resolve().parent)
 sys.path.insert(0, BENCH_DIR)
-from _common import BASE_DIR, percentile, scratch_database, wait_until  # noqa: E402
+from _common import percentile, scratch_database, start_process, stop_process, wait_until  # noqa: E402
 
 # bench/queue.py would shadow the standard library's queue module (imported by asgiref).
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != BENCH_DIR]
@@ -52,23 +51,9 @@ def start_daphne(port: int, log: Path, conn_max_age: int, server_env: dict) -> s
     # Under ASGI every request runs in a thread of its own, so a persistent connection
     # (DB_CONN_MAX_AGE > 0) is left open per request until garbage collection: on PostgreSQL
     # 16 clients exhaust max_connections within seconds. Hence 0 for daphne by default.
-    return subprocess.Popen(
-        [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port), "orchestrator_site.asgi:application"],
-        cwd=BASE_DIR, env={**os.environ, "DB_CONN_MAX_AGE": str(conn_max_age), **server_env}, stdout=open(log, "w"),
-        stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+    return start_process([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                          "orchestrator_site.asgi:application"],
+                         {"DB_CONN_MAX_AGE": str(conn_max_age), **server_env}, log)
 
 
 class Endpoint:
@@ -189,7 +174,7 @@ def main() -> None:
                 results[(endpoint.name, clients)] = drive(endpoint, port=port, token=token, clients=clients,
                                                           seconds=args.seconds)
     finally:
-        stop(server)
+        stop_process(server)
 
     print(f"database={args.db} server=daphne (1 process, DB_CONN_MAX_AGE={args.conn_max_age}"
           f"{', settings ' + args.server_settings if args.server_settings else ''}) "

@@ -35,7 +35,8 @@ def measure_bare(n: int, env: dict, log: Path) -> float:
     Task.objects.all().delete()
     for _ in range(n):
         async_task("math.floor", 1.5)
-    process = start_cluster(env, log)
+    # django-q2 keeps at most ``save_limit`` results: keep them all, or the count never reaches n.
+    process = start_cluster({**env, "ORCHESTRATOR_Q_SAVE_LIMIT": str(max(n, 1000))}, log)
     try:
         start = time.monotonic()
         wait_until(lambda: Task.objects.count() >= n, timeout=600, interval=0.1)

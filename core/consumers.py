@@ -74,6 +74,7 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         self.sender: asyncio.Task | None = None
         self.auth_timer: asyncio.Task | None = None
         self.replaying = False
+        self.stream_start: int | None = None  # the relay cursor when the first group was registered
         await self.accept()
         user = self.scope.get("user")
         if user is not None and user.is_authenticated:
@@ -148,11 +149,23 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         allowed, group, organization = await sync_to_async(_access)(self.user, scope, object_id)
         if not allowed:
             return await self._error("forbidden", f"no access to {scope} {object_id}", scope=scope)
-        # Register first: everything after the relay's cursor arrives live; replay the rest.
-        cursor = self.relay.subscribe(self.subscriber, group)
-        await self.send_json({"type": "subscribed", "scope": scope, "id": object_id, "cursor": cursor})
-        if after is not None and after < cursor:
-            await self._replay(after, cursor, scope, object_id)
+        # Register first: everything after the relay's cursor arrives live; replay the rest. Live
+        # delivery is held from here until the replay is done (the stream stays in id order:
+        # a live event sent first would make the replayed, older ones look like duplicates).
+        self.replaying = True
+        try:
+            earlier_groups = bool(self.subscriber.groups)
+            cursor = self.relay.subscribe(self.subscriber, group)
+            if self.stream_start is None:
+                self.stream_start = cursor
+            await self.send_json({"type": "subscribed", "scope": scope, "id": object_id, "cursor": cursor})
+            if after is not None and after < cursor:
+                if earlier_groups:
+                    await self._replay_merged(after, cursor, group)
+                else:
+                    await self._replay(after, cursor, scope, object_id)
+        finally:
+            self.replaying = False
 
     async def _unsubscribe(self, content):
         target = self._scope_of(content)
@@ -169,18 +182,46 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
     async def _replay(self, after: int, upto: int, scope: str, object_id):
         filters = {} if scope == "all" else {scope if scope != "organization" else "organizations":
                                               object_id if scope != "organization" else [object_id]}
-        self.replaying = True
-        try:
-            position = after
-            while position < upto:
-                rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto, **filters)
-                if not rows:
-                    break
-                for row in rows:
-                    await self._deliver(envelope(row))
-                position = rows[-1]["id"]
-        finally:
-            self.replaying = False
+        position = after
+        while position < upto:
+            rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto, **filters)
+            if not rows:
+                break
+            for row in rows:
+                await self._deliver(envelope(row))
+            position = rows[-1]["id"]
+
+    async def _replay_merged(self, after: int, upto: int, group: str):
+        """Replay for a further subscription: events of earlier subscriptions up to ``upto`` may
+        still wait in the live buffer, and the new group's replay must not overtake them. So
+        replay every group of this connection, in id order, from the older of ``after`` and what
+        the stream has reached; the buffered copies are then dropped as already sent."""
+        start = min(after, max(self.last_sent, self.stream_start or 0))
+        await self._send_subscribed(start, upto, new_group=(group, after))
+
+    async def _send_subscribed(self, position: int, upto: int, *, new_group: tuple[str, int] | None = None):
+        """Send the events in ``(position, upto]`` that match any group of this connection, from
+        the database in id order; ``new_group`` ``(group, after)``: not those only it matches up to ``after``."""
+        from core.relay import groups_of
+
+        organizations = await self._organizations_filter()
+        while position < upto:
+            rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto,
+                                                                             organizations=organizations)
+            if not rows:
+                break
+            for row in rows:
+                event = envelope(row)
+                matched = set(groups_of(event)) & self.subscriber.groups
+                if matched and not (new_group and matched == {new_group[0]} and event["id"] <= new_group[1]):
+                    await self._deliver(event)
+            position = rows[-1]["id"]
+
+    async def _organizations_filter(self) -> list[int] | None:
+        """The organizations this user's events may come from (None: every one)."""
+        if self.user.is_staff and await sync_to_async(self.user.has_perm)("core.view_event"):
+            return None
+        return await sync_to_async(lambda: list(self.user.memberships.values_list("organization_id", flat=True)))()
 
     async def _deliver(self, event: dict):
         if event["id"] <= self.last_sent:
@@ -205,21 +246,4 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
     async def _catch_up(self):
         """The client fell behind the buffer: read what it missed from the database."""
         self.subscriber.overflowed = False
-        organizations = None
-        if not (self.user.is_staff and await sync_to_async(self.user.has_perm)("core.view_event")):
-            organizations = await sync_to_async(
-                lambda: list(self.user.memberships.values_list("organization_id", flat=True)))()
-        upto = self.relay.cursor or 0
-        position = self.last_sent
-        while position < upto:
-            rows = await sync_to_async(events_after, thread_sensitive=False)(position, upto=upto,
-                                                                             organizations=organizations)
-            if not rows:
-                break
-            for row in rows:
-                event = envelope(row)
-                from core.relay import groups_of
-
-                if set(groups_of(event)) & self.subscriber.groups:
-                    await self._deliver(event)
-            position = rows[-1]["id"]
+        await self._send_subscribed(self.last_sent, self.relay.cursor or 0)

@@ -50,6 +50,9 @@ class Project(models.Model):
 
     organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="projects")
     name = models.CharField(max_length=200)
+    retention_days = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="days terminal jobs and events of this project are kept (empty: ORCHESTRATOR_RETENTION_DAYS)")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -149,3 +152,57 @@ class IdempotencyRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} {self.endpoint} ({self.status})"
+
+
+class MetricDelta(models.Model):
+    """One increment of a metric, written in the transaction of the change it counts.
+
+    Inserts only (no row is updated on the write path, so no two transactions wait for each
+    other); ``metrics_compact`` folds them into ``MetricTotal`` in batches. A histogram
+    observation is one row whose ``labels`` carry its bucket (``le``) and whose ``total`` is
+    the observed value.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=64)
+    labels = models.CharField(max_length=512, help_text="canonical JSON of the label values")
+    count = models.BigIntegerField(default=1)
+    total = models.FloatField(default=0.0)
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.labels} +{self.count}"
+
+
+class MetricTotal(models.Model):
+    """The folded value of one metric series: ``count`` (and ``total`` for histograms) so far."""
+
+    id = models.BigAutoField(primary_key=True)
+    name = models.CharField(max_length=64)
+    labels = models.CharField(max_length=512)
+    count = models.BigIntegerField(default=0)
+    total = models.FloatField(default=0.0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["name", "labels"], name="metric_total_unique_series")]
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.labels} = {self.count}"
+
+
+class RateLimitCounter(models.Model):
+    """Requests of one principal (``user:<id>`` or ``ip:<address>``) in one fixed window.
+
+    Incremented with one ``INSERT ... ON CONFLICT DO UPDATE SET count = count + 1`` statement
+    (atomic, never read-then-write); windows that ended are pruned.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    key = models.CharField(max_length=200)
+    window_start = models.DateTimeField(db_index=True)
+    count = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["key", "window_start"], name="rate_limit_unique_window")]
+
+    def __str__(self) -> str:
+        return f"{self.key} @ {self.window_start:%H:%M:%S}: {self.count}"

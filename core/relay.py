@@ -13,8 +13,14 @@ A database restart ends the LISTEN connection; the relay reconnects with backoff
 resumes from its cursor.
 
 Event ids come from a sequence, so a transaction that commits later may hold a smaller id.
-A missing id holds delivery back for at most ``GAP_WAIT_S`` (the transaction commits or
-rolls back); after that the id is treated as rolled back and skipped.
+A missing id holds delivery back until the transaction that took it has ended: on PostgreSQL
+the relay notes which transactions may hold it when it first sees the gap (those in progress
+in ``pg_current_snapshot()``, plus every id from its ``xmax`` up to a fresh
+``pg_current_xact_id()``: a snapshot does not list running transactions above its ``xmax``)
+and skips the id only once none of them is still running and a fresh read still lacks it (it
+was rolled back); a commit that comes late is never skipped.
+``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long is logged and skipped).
+On SQLite, where one writer at a time takes ids, a gap is a rollback: ``GAP_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ logger = logging.getLogger("orchestrator.relay")
 CHANNEL = "orchestrator_events"
 BATCH = 500
 GAP_WAIT_S = 0.5
+GAP_MAX_WAIT_S = 30.0
 POLL_S_SQLITE = 0.1
 POLL_S_POSTGRES = 1.0
 SUBSCRIBER_BUFFER = 5_000
@@ -74,6 +81,41 @@ def _fetch(after: int) -> list[dict]:
         return events_after(after)
     finally:
         close_old_connections()  # give a pooled connection back between reads
+
+
+def _snapshot_now() -> str | None:
+    """PostgreSQL: the current snapshot and the next transaction id (``"<snapshot>|<id>"``)."""
+    from django.db import connection
+
+    close_old_connections()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_snapshot()::text || '|' || pg_current_xact_id()::text")
+            return cursor.fetchone()[0]
+    finally:
+        close_old_connections()
+
+
+def _fetch_after_gap(after: int, snapshot: str) -> tuple[list[dict], bool]:
+    """Whether every transaction in progress at ``snapshot`` has ended, then (after that check,
+    so a transaction that committed meanwhile is seen) the events after ``after``."""
+    from django.db import connection
+
+    close_old_connections()
+    try:
+        with connection.cursor() as cursor:
+            taken, upto = snapshot.split("|")
+            cursor.execute(
+                "SELECT NOT EXISTS (SELECT 1 FROM ("
+                " SELECT x FROM pg_snapshot_xip(%s::pg_snapshot) AS x"
+                " UNION ALL"
+                " SELECT g::text::xid8 FROM generate_series(pg_snapshot_xmax(%s::pg_snapshot)::text::bigint,"
+                "                                           %s::bigint - 1) AS g"
+                ") AS holders WHERE pg_xact_status(holders.x) = 'in progress')", [taken, taken, upto])
+            ended = bool(cursor.fetchone()[0])
+        return events_after(after), ended
+    finally:
+        close_old_connections()
 
 
 def _latest_id() -> int:
@@ -132,6 +174,7 @@ class Relay:
         self.last_delivery_at: float | None = None
         self.connected_listener = False
         self.gap_since: float | None = None
+        self.gap_snapshot: str | None = None
 
     @classmethod
     async def get(cls) -> "Relay":
@@ -201,16 +244,32 @@ class Relay:
 
     async def _pump(self) -> bool:
         """Deliver the next batch; True when there may be more right away."""
-        rows = await sync_to_async(_fetch, thread_sensitive=False)(self.cursor or 0)
+        ended = False
+        if self.gap_snapshot is not None:
+            rows, ended = await sync_to_async(_fetch_after_gap, thread_sensitive=False)(
+                self.cursor or 0, self.gap_snapshot)
+        else:
+            rows = await sync_to_async(_fetch, thread_sensitive=False)(self.cursor or 0)
         expected = (self.cursor or 0) + 1
         for row in rows:
             if row["id"] != expected:
                 now = time.monotonic()
                 if self.gap_since is None:
                     self.gap_since = now
-                if now - self.gap_since < GAP_WAIT_S:
-                    return False  # wait for the missing id to commit or roll back
+                if settings.DATABASE_IS_POSTGRES and self.gap_snapshot is None:
+                    self.gap_snapshot = await sync_to_async(_snapshot_now, thread_sensitive=False)()
+                    return False  # wait for the transactions that may hold the missing id to end
+                waited = now - self.gap_since
+                if settings.DATABASE_IS_POSTGRES:
+                    if not ended and waited < GAP_MAX_WAIT_S:
+                        return False
+                    if not ended:
+                        logger.warning("relay skipped event ids %s..%s: their transaction is still open after %.0f s",
+                                       expected, row["id"] - 1, waited)
+                elif waited < GAP_WAIT_S:
+                    return False
             self.gap_since = None
+            self.gap_snapshot = None
             event = envelope(row)
             self.cursor = row["id"]
             expected = row["id"] + 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -33,9 +32,47 @@ def event_record(
     return event
 
 
+# Keys every transition line carries (None when they do not apply), and the names call sites
+# may use for them.
+TRANSITION_KEYS = ("entity", "type", "project_id", "run_id", "attempt", "from", "to", "reason")
+TRANSITION_ALIASES = {"project": "project_id", "run": "run_id", "organization": "organization_id"}
+
+
+def transition_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields of one transition line, named the same way for every entity.
+
+    ``id`` becomes ``<entity>_id`` (``job_id``, ``run_id`` ...); ``project``/``run``/``organization``
+    become ``project_id``/``run_id``/``organization_id``; ``type`` defaults to the entity (a run's
+    lines say ``"type": "run"``, a job's its job type); the keys of ``TRANSITION_KEYS`` are
+    always present.
+    """
+    entity = str(fields.get("entity") or "object")
+    line: dict[str, Any] = {key: None for key in TRANSITION_KEYS}
+    line["entity"] = entity
+    line["type"] = entity
+    for key, value in fields.items():
+        if key == "id":
+            line[f"{entity}_id"] = value
+        elif key != "entity":
+            line[TRANSITION_ALIASES.get(key, key)] = value
+    if line["reason"] is None:
+        line["reason"] = ""
+    return line
+
+
 def transition_log(**fields: Any) -> None:
-    """One structured JSON line per state transition (entity, id, from, to, reason ...)."""
-    logger.info(json.dumps(fields, default=str, sort_keys=True))
+    """One structured log record per state transition on logger ``orchestrator.transitions``.
+
+    The record's ``fields`` (see ``transition_fields``) become the keys of its JSON line
+    (``core.logging.JsonFormatter``): ``entity``, ``<entity>_id``, ``project_id``, ``run_id``,
+    ``type``, ``attempt``, ``from``, ``to``, ``reason`` and whatever else the caller adds.
+    """
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    line = transition_fields(fields)
+    entity = line["entity"]
+    logger.info("%s %s %s -> %s", entity, line.get(f"{entity}_id"), line["from"], line["to"],
+                extra={"fields": {"event": "transition", **line}})
 
 
 def actor_label(actor) -> str:

@@ -20,6 +20,7 @@ from django.utils import timezone
 from django_fsm import can_proceed
 
 from core.errors import JobConflict, NotFound, QueueDisabled, QueueFull, ValidationFailed
+from core.metrics import metric_observation, metric_sample, metrics_add
 from core.models import Project
 from core.services import audit_record, event_record, transition_log
 from jobs.models import (
@@ -100,11 +101,33 @@ def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: 
         job.slot = None
         job.lease_expires_at = None
     job.save()
-    transition_log(entity="job", id=job.pk, project=job.project_id, type=job.type, attempt=job.attempts,
-                   **{"from": before, "to": target}, reason=reason)
+    _move_metrics(job, before, target)
+    transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
+                   attempt=job.attempts, **{"from": before, "to": target}, reason=reason)
     if emit:
         event_type = EVENT_NAMES.get(target, PROGRESS_EVENT) if before != target else PROGRESS_EVENT
         _emit(job, event_type, extra)
+
+
+def _move_metrics(job: Job, before: str, target: str) -> None:
+    """The queue's counters for one move (``core.metrics``), in the move's transaction."""
+    if before == target:
+        return
+    samples = []
+    if target == JobState.EXECUTING:
+        samples.append(metric_sample("job_attempts", type=job.type))
+        if job.attempts > 1:
+            samples.append(metric_sample("job_retries", type=job.type))
+        elif job.started_at and (job.queued_at or job.created_at):
+            samples.append(metric_observation("job_wait_seconds",
+                                              (job.started_at - (job.queued_at or job.created_at)).total_seconds(),
+                                              type=job.type, priority=job.priority_class))
+    elif target in TERMINAL_JOB_STATES:
+        samples.append(metric_sample("job_finished", type=job.type, state=target, reason=job.reason))
+        if job.started_at and job.completed_at:
+            samples.append(metric_observation("job_run_seconds", (job.completed_at - job.started_at).total_seconds(),
+                                              type=job.type, state=target))
+    metrics_add(samples)
 
 
 def job_transition(*, job_id: int, target: str, reason: str = "") -> Job:
@@ -210,8 +233,9 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             if existing is None:
                 raise
             return _dedupe_hit(definition, existing, payload)
-        transition_log(entity="job", id=job.pk, project=job.project_id, type=job.type, attempt=0,
+        transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
                        **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
+        metrics_add([metric_sample("jobs_enqueued", type=job.type)])
         _emit(job, EVENT_NAMES[JobState.QUEUED])
         if job.lane:
             JobLane.objects.get_or_create(key=job.lane)
@@ -224,6 +248,12 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
 
 
 def _dedupe_hit(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:
+    result = _dedupe_outcome(definition, existing, payload)
+    metrics_add([metric_sample("job_dedupe_hits", type=definition.type, outcome=result.dedupe)])
+    return result
+
+
+def _dedupe_outcome(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:
     mode = definition.dedupe.mode
     if mode == "single_flight":
         return EnqueueResult(existing, "already_queued")

@@ -40,6 +40,8 @@ def worker_env(**overrides) -> dict[str, str]:
         "ORCHESTRATOR_Q_TIMEOUT_S": "60",
         "ORCHESTRATOR_Q_RETRY_S": "90",
         "PYTHONUNBUFFERED": "1",
+        # Keep the child logs to what a failing test needs (every transition is an INFO line).
+        "ORCHESTRATOR_TRANSITION_LOG_LEVEL": "WARNING",
     })
     env.update({key: str(value) for key, value in overrides.items()})
     return env

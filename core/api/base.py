@@ -7,19 +7,20 @@ from rest_framework.views import APIView
 
 from core.api.idempotency import IdempotentViewMixin
 from core.api.tenancy import as_id, visible, visible_project
+from core.api.throttling import RateLimitedViewMixin
 from core.errors import NotFound
 
 ID_PATTERN = "[0-9]{1,18}"
 
 
-class ApiView(IdempotentViewMixin, APIView):
+class ApiView(RateLimitedViewMixin, IdempotentViewMixin, APIView):
     """A plain API view. POSTs name their organization with ``idempotency_organization_id``."""
 
     def idempotency_organization_id(self, request) -> int | None:
         return None
 
 
-class ApiViewSet(IdempotentViewMixin, viewsets.GenericViewSet):
+class ApiViewSet(RateLimitedViewMixin, IdempotentViewMixin, viewsets.GenericViewSet):
     """A view set over objects of the caller's organizations.
 
     ``queryset`` is narrowed to the caller's organizations (through ``organization_field``);

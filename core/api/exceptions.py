@@ -3,15 +3,18 @@
 Domain errors (``core.errors``) carry their own code, status and extra fields; DRF's and
 Django's exceptions are mapped here once: validation → ``400 validation_error`` with
 ``errors`` keyed by field path, authentication → ``401``, permission and CSRF → ``403
-permission_denied``, not found → ``404 not_found``, throttling → ``429 throttled``.
-Anything else is a bug and stays a 500.
+permission_denied``, not found → ``404 not_found``, rate limits → ``429 rate_limited``, a body
+over the size limit (ours, or Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``) → ``413
+payload_too_large``. Anything else is a bug and stays a 500.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions, status
@@ -30,7 +33,8 @@ DRF_CODES = {
     "method_not_allowed": "method_not_allowed",
     "not_acceptable": "not_acceptable",
     "unsupported_media_type": "unsupported_media_type",
-    "throttled": "throttled",
+    "throttled": "rate_limited",
+    "payload_too_large": "payload_too_large",
 }
 
 
@@ -68,7 +72,11 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
         if isinstance(exc, QueueFull) and exc.extra.get("retry_after") is not None:
             headers["Retry-After"] = str(int(exc.extra["retry_after"]))
         return Response(exc.as_dict(), status=exc.status, headers=headers)
-    if isinstance(exc, Http404):
+    if isinstance(exc, RequestDataTooBig):
+        from core.api.parsers import body_limit_exceeded
+
+        exc = body_limit_exceeded(settings.DATA_UPLOAD_MAX_MEMORY_SIZE, "DATA_UPLOAD_MAX_MEMORY_SIZE")
+    elif isinstance(exc, Http404):
         exc = exceptions.NotFound(*exc.args)
     elif isinstance(exc, DjangoPermissionDenied):
         exc = exceptions.PermissionDenied(*exc.args)

@@ -31,8 +31,10 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "approval_reused": (409, "the approval reference was already used"),
     "approval_not_pending": (409, "the run is not waiting for an approval of this gate"),
     "idempotency_key_in_use": (409, "a request with this Idempotency-Key is still in flight"),
+    "artifact_expired": (410, "the artifact expired and its file was deleted"),
     "idempotency_key_reused": (422, "this Idempotency-Key was used with another request body"),
-    "throttled": (429, "too many requests; see `Retry-After`"),
+    "payload_too_large": (413, "the request body is over `ORCHESTRATOR_API_MAX_BODY_BYTES`"),
+    "rate_limited": (429, "too many requests from this caller; see `Retry-After`"),
     "queue_full": (429, "the job queue is at its cap; see `Retry-After` / `retry_after`"),
     "queue_disabled": (503, "the job queue is disabled"),
 }
@@ -86,9 +88,9 @@ class AutoSchema(openapi.AutoSchema):
         bodies = super()._get_response_bodies(direction)
         common = []
         if not self._is_public():
-            common += ["not_authenticated", "authentication_failed", "permission_denied", "throttled"]
+            common += ["not_authenticated", "authentication_failed", "permission_denied", "rate_limited"]
         if self.method == "POST":
-            common += ["validation_error", "idempotency_key_in_use", "idempotency_key_reused"]
+            common += ["validation_error", "payload_too_large", "idempotency_key_in_use", "idempotency_key_reused"]
         for status, response in errors(*common).items():
             code = str(status)
             if code not in bodies:

@@ -88,7 +88,7 @@ def test_throttling_is_429_with_retry_after(tenant, settings):
     assert tenant.client.get("/api/v1/ping/").status_code == 200
     assert tenant.client.get("/api/v1/ping/").status_code == 200
     response = tenant.client.get("/api/v1/ping/")
-    body = assert_error(response, 429, "throttled")
+    body = assert_error(response, 429, "rate_limited")
     assert int(response["Retry-After"]) == body["retry_after"] > 0
 
 

@@ -296,7 +296,7 @@ def console(monkeypatch):
     state = {"children": {}, "exits": {}, "handlers": {}, "on_sleep": lambda: None}
 
     def popen(args, **kwargs):
-        name = "qcluster" if "qcluster" in args else "daphne"
+        name = next((n for n in ("qcluster", "demo_stream") if n in args), "daphne")
         polls, code = state["exits"].get(name, (None, 0))
         state["children"][name] = FakeChild(args, polls, code)
         return state["children"][name]
@@ -323,8 +323,26 @@ def test_run_console_stops_both_children_on_ctrl_c(console):
     assert daphne.args[1:] == ["-m", "daphne", "-b", "0.0.0.0", "-p", "9000", "orchestrator_site.asgi:application"]
     assert cluster.args[-1] == "qcluster"
     assert daphne.signals == cluster.signals == [signal.SIGTERM]
-    assert "http://0.0.0.0:9000/admin/ (with workers)" in out.getvalue()
+    assert "http://0.0.0.0:9000/admin/ (daphne, qcluster)" in out.getvalue()
+    assert "demo_stream" not in console["children"]
     assert out.getvalue().rstrip().endswith("stopped")
+
+
+def test_run_console_demo_adds_the_demo_stream_and_leaves_silent_runs_to_operators(console, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.delenv("ORCHESTRATOR_RUN_AUTO_RECOVER", raising=False)
+    monkeypatch.delenv("ORCHESTRATOR_TRANSITION_LOG_LEVEL", raising=False)
+    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
+    out = StringIO()
+    call_command("run_console", "--demo", stdout=out, stderr=StringIO())
+
+    stream = console["children"]["demo_stream"]
+    assert stream.args[-1] == "demo_stream" and stream.signals == [signal.SIGTERM]
+    assert "(daphne, qcluster, demo_stream)" in out.getvalue()
+    assert os.environ["ORCHESTRATOR_RUN_AUTO_RECOVER"] == "0"  # inherited by every child
+    assert os.environ["ORCHESTRATOR_TRANSITION_LOG_LEVEL"] == "WARNING"
 
 
 def test_run_console_exits_with_the_code_of_a_child_that_died(console):
@@ -348,7 +366,7 @@ def test_run_console_without_workers_serves_only(console):
     out = StringIO()
     call_command("run_console", "--no-workers", stdout=out, stderr=StringIO())
     assert list(console["children"]) == ["daphne"]
-    assert "(without workers)" in out.getvalue()
+    assert "/admin/ (daphne); Ctrl-C" in out.getvalue()
 
 
 # --- every runbook has a test ---------------------------------------------------------------

@@ -46,6 +46,15 @@ async def expect_nothing(communicator, wait=0.4):
     assert await communicator.receive_nothing(timeout=wait)
 
 
+def database_conninfo() -> str:
+    """psycopg connection parameters for this test's PostgreSQL database (other sessions than Django's)."""
+    from django.db import connection
+
+    db = connection.settings_dict
+    return (f"dbname={db['NAME']} user={db.get('USER') or 'postgres'} host={db.get('HOST') or '127.0.0.1'} "
+            f"port={db.get('PORT') or 5432}")
+
+
 @pytest.fixture
 def member(org_factory, client):
     organization, project, owner = org_factory()
@@ -222,6 +231,129 @@ def test_an_api_token_in_the_first_message_authenticates(org_factory):
         assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
         await sync_to_async(services.run_create)(project=project, name="by token", plan=make_plan())
         assert (await receive_events(communicator, 1))[0]["type"] == "run_created"
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_an_event_committed_late_behind_a_later_one_is_delivered_and_a_rolled_back_id_is_skipped(member):
+    """Ids come from a sequence: a transaction may commit its event well after a later id is
+    visible. The relay waits for that transaction to end (not a fixed delay), delivers the late
+    event in order, and skips an id whose transaction rolled back."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+    sql = ("INSERT INTO core_event (type, organization_id, project_id, payload, created_at) "
+           "VALUES (%s, %s, %s, '{}', now()) RETURNING id")
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
+        await communicator.receive_json_from(timeout=5)
+        with psycopg.connect(conninfo) as slow, psycopg.connect(conninfo) as doomed, \
+                psycopg.connect(conninfo, autocommit=True) as fast:
+            late = slow.execute(sql, ["late_commit", organization.pk, project.pk]).fetchone()[0]
+            lost = doomed.execute(sql, ["rolled_back", organization.pk, project.pk]).fetchone()[0]
+            early = fast.execute(sql, ["early_commit", organization.pk, project.pk]).fetchone()[0]
+            assert late < lost < early
+            await asyncio.sleep(2.0)  # far longer than a fixed gap delay would wait
+            await expect_nothing(communicator, wait=0.3)  # held back: the late one is still open
+            slow.commit()
+            doomed.rollback()
+            events = await receive_events(communicator, 2, timeout=10)
+        assert [(event["id"], event["type"]) for event in events] == [(late, "late_commit"), (early, "early_commit")]
+        await expect_nothing(communicator)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_skipped(member):
+    """A snapshot does not list running transactions above its ``xmax``: a transaction that took
+    its event id early but its transaction id after the last completed one must still be waited
+    for."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+    insert = ("INSERT INTO core_event (id, type, organization_id, project_id, payload, created_at) "
+              "VALUES (COALESCE(%s, nextval(pg_get_serial_sequence('core_event', 'id'))), %s, %s, %s, '{}', now()) "
+              "RETURNING id")
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
+        await communicator.receive_json_from(timeout=5)
+        with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo) as early_tx:
+            reserved = late_tx.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
+            early = early_tx.execute(insert, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
+            late_tx.execute(insert, [reserved, "late_commit", organization.pk, project.pk])  # a newer xid
+            early_tx.commit()
+            await asyncio.sleep(2.0)
+            await expect_nothing(communicator, wait=0.3)
+            late_tx.commit()
+            events = await receive_events(communicator, 2, timeout=10)
+        assert [(event["id"], event["type"]) for event in events] == [(reserved, "late_commit"),
+                                                                      (early, "early_commit")]
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_a_live_event_arriving_as_a_subscription_registers_waits_for_its_replay(member, monkeypatch):
+    """The stream stays in id order: an event that goes live while the subscription's replay is
+    still to be sent is held until the replay is done, and the replayed events are not lost."""
+    from core.relay import EVENT_FIELDS, Relay, envelope
+
+    organization, project, _, cookie = member
+    first, second, third = [event_record(type=f"step_{n}", organization_id=organization.pk,
+                                         project_id=project.pk).pk for n in range(3)]
+    third_live = envelope(Event.objects.filter(pk=third).values(*EVENT_FIELDS).get())
+    registered = Relay.subscribe
+
+    def subscribe_as_an_event_goes_live(self, subscriber, group):
+        registered(self, subscriber, group)
+        subscriber.offer(third_live)  # the relay hands over the next event at once
+        return second  # ... while the subscription's replay reaches only the one before
+
+    monkeypatch.setattr(Relay, "subscribe", subscribe_as_an_event_goes_live)
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "project": project.pk, "after": first - 1})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        events = await receive_events(communicator, 3)
+        assert [event["id"] for event in events] == [first, second, third]
+        await expect_nothing(communicator)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_overflows_its_buffer_catches_up_from_the_database_in_order(member, monkeypatch):
+    monkeypatch.setattr("core.relay.SUBSCRIBER_BUFFER", 5)
+    organization, project, _, cookie = member
+
+    def burst():
+        with transaction.atomic():
+            return [event_record(type="step_burst", organization_id=organization.pk, project_id=project.pk).pk
+                    for _ in range(40)]
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "project": project.pk})
+        await communicator.receive_json_from(timeout=5)
+        ids = await sync_to_async(burst)()
+        events = await receive_events(communicator, len(ids))
+        assert [event["id"] for event in events] == ids
+        await expect_nothing(communicator)
         await communicator.disconnect()
 
     asyncio.run(scenario())

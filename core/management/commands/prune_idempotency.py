@@ -1,12 +1,13 @@
-"""Delete expired Idempotency-Key records: ``prune_idempotency`` (run it daily)."""
+"""Delete expired Idempotency-Key records: ``prune_idempotency`` (the ``idempotency`` step of ``prune``)."""
 
-from core.api.idempotency import idempotency_prune
 from core.management.base import RunbookCommand
+from core.retention import retention_prune
 
 
 class Command(RunbookCommand):
-    help = "Delete Idempotency-Key records past their 24 h expiry; prints how many were deleted."
+    help = ("Delete Idempotency-Key records past their 24 h expiry; prints how many were deleted. "
+            "Same as `prune --only idempotency` (which the retention schedule runs every 10 minutes).")
 
     def handle(self, *args, **options):
-        deleted = idempotency_prune()
-        self.stdout.write(f"deleted {deleted} expired idempotency record(s)")
+        (result,) = retention_prune(only=["idempotency"])
+        self.stdout.write(f"deleted {result.done} expired idempotency record(s)")

@@ -1,0 +1,240 @@
+"""Abuse limits: per-caller request rates (atomic store), body size limits, WebSocket subscriptions."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.db import connection
+from rest_framework.test import APIClient
+
+from core.models import RateLimitCounter
+from core.ratelimit import DatabaseStore, Rate, RedisStore, rate_limit_hit, rate_parse
+from jobs.models import Job
+from runs.models import Run
+from tests.api.conftest import assert_error
+from tests.processes import REDIS_TEST_URL, redis_available
+
+pytestmark = pytest.mark.django_db
+WINDOW_START = 1_800_000_000  # a minute boundary: tests move the clock within one window, then past it
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    """The rate limiter's clock, set by the test."""
+    now = {"t": WINDOW_START + 5.0}
+    monkeypatch.setattr("core.ratelimit.time.time", lambda: now["t"])
+    return now
+
+
+# --- rates ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [("600/minute", Rate(600, 60)), ("20/s", Rate(20, 1)),
+                                            ("1000/5m", Rate(1000, 300)), ("5/hours", Rate(5, 3600)),
+                                            ("", None), (None, None)])
+def test_rates_parse(text, expected):
+    assert rate_parse(text) == expected
+
+
+@pytest.mark.parametrize("text", ["600", "x/minute", "0/minute", "5/fortnight"])
+def test_bad_rates_are_refused_loudly(text):
+    from django.core.exceptions import ImproperlyConfigured
+
+    with pytest.raises(ImproperlyConfigured):
+        rate_parse(text)
+
+
+def test_over_the_limit_is_429_rate_limited_with_retry_after(tenant, settings, clock):
+    settings.ORCHESTRATOR_API_RATE = "3/minute"
+    for _ in range(3):
+        assert tenant.client.get("/api/v1/ping/").status_code == 200
+    response = tenant.client.get("/api/v1/ping/")
+    body = assert_error(response, 429, "rate_limited")
+    assert response["Retry-After"] == "55" and body["retry_after"] == 55  # the window ends at +60 s
+    assert_error(tenant.client.get("/api/v1/runs/"), 429, "rate_limited")  # every endpoint shares the count
+    clock["t"] = WINDOW_START + 60.5  # the next window
+    assert tenant.client.get("/api/v1/ping/").status_code == 200
+
+
+def test_each_caller_has_its_own_count(tenant, other, settings, clock):
+    settings.ORCHESTRATOR_API_RATE = "2/minute"
+    for _ in range(2):
+        assert tenant.client.get("/api/v1/ping/").status_code == 200
+    assert_error(tenant.client.get("/api/v1/ping/"), 429, "rate_limited")
+    assert other.client.get("/api/v1/ping/").status_code == 200
+    session = APIClient()
+    session.force_login(other.user)  # the same user by session: the same caller as its token
+    assert session.get("/api/v1/ping/").status_code == 200
+    assert_error(other.client.get("/api/v1/ping/"), 429, "rate_limited")
+
+
+def test_failed_authentication_counts_per_address(db, settings, clock):
+    settings.ORCHESTRATOR_API_RATE = "100/minute"
+    settings.ORCHESTRATOR_API_ANON_RATE = "3/minute"
+    guesser = APIClient(REMOTE_ADDR="203.0.113.9")
+    for attempt in range(3):
+        guesser.credentials(HTTP_AUTHORIZATION=f"Token guess{attempt}")
+        assert_error(guesser.get("/api/v1/ping/"), 401, "authentication_failed")
+    guesser.credentials(HTTP_AUTHORIZATION="Token guess-again")
+    assert_error(guesser.get("/api/v1/ping/"), 429, "rate_limited")
+    assert_error(APIClient(REMOTE_ADDR="203.0.113.9").get("/api/v1/runs/"), 429, "rate_limited")
+    assert_error(APIClient(REMOTE_ADDR="198.51.100.7").get("/api/v1/runs/"), 401, "not_authenticated")
+
+
+def test_no_rate_means_no_counting(tenant, settings):
+    settings.ORCHESTRATOR_API_RATE = ""
+    for _ in range(5):
+        assert tenant.client.get("/api/v1/ping/").status_code == 200
+    assert not RateLimitCounter.objects.exists()
+
+
+def test_health_is_never_limited(db, settings, clock):
+    settings.ORCHESTRATOR_API_RATE = "1/minute"
+    client = APIClient()
+    assert {client.get("/api/v1/health/").status_code for _ in range(3)} <= {200, 503}
+
+
+def test_the_database_store_counts_in_one_row_per_window(db):
+    store = DatabaseStore()
+    assert [store.increment("user:1", WINDOW_START, 60) for _ in range(3)] == [1, 2, 3]
+    assert store.increment("user:1", WINDOW_START + 60, 60) == 1
+    assert store.increment("user:2", WINDOW_START, 60) == 1
+    assert sorted(RateLimitCounter.objects.values_list("key", "count")) == [("user:1", 1), ("user:1", 3),
+                                                                            ("user:2", 1)]
+
+
+def _hammer(increment, threads: int, per_thread: int) -> list[bool]:
+    barrier = threading.Barrier(threads)
+    results: list[bool] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            barrier.wait()
+            for _ in range(per_thread):
+                allowed = increment()
+                with lock:
+                    results.append(allowed)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_requests_never_slip_past_the_limit_database():
+    rate = Rate(25, 3600)
+    key = f"user:{uuid.uuid4().hex}"
+    results = _hammer(lambda: rate_limit_hit(key, rate, now=WINDOW_START + 1, store=DatabaseStore()).allowed,
+                      threads=8, per_thread=10)
+    assert results.count(True) == 25 and len(results) == 80
+    assert RateLimitCounter.objects.get(key=key).count == 80
+
+
+@pytest.mark.skipif(not redis_available(), reason="needs Redis (REDIS_TEST_URL)")
+def test_concurrent_requests_never_slip_past_the_limit_redis(settings):
+    settings.REDIS_URL = REDIS_TEST_URL
+    rate = Rate(25, 3600)
+    key = f"user:{uuid.uuid4().hex}"
+    store = RedisStore()
+    results = _hammer(lambda: rate_limit_hit(key, rate, now=WINDOW_START + 1, store=store).allowed,
+                      threads=8, per_thread=10)
+    assert results.count(True) == 25 and len(results) == 80
+    name = f"orchestrator:ratelimit:{key}:{WINDOW_START}"
+    client = store.client()
+    assert int(client.get(name)) == 80
+    assert 0 < client.ttl(name) <= 2 * 3600  # the counter expires on its own
+    client.delete(name)
+
+
+# --- body size ------------------------------------------------------------------------------
+
+def test_a_plan_over_the_body_limit_is_413_and_creates_nothing(tenant, settings):
+    settings.ORCHESTRATOR_API_MAX_BODY_BYTES = 2_000
+    plan = {"agents": [{"name": "a", "tasks": [{"name": "t", "steps": [
+        {"name": f"s{i}", "tool": "echo", "args": {"text": "x" * 50}} for i in range(40)]}]}]}
+    body = assert_error(tenant.client.post("/api/v1/runs/", tenant.run_body(plan=plan), format="json"), 413,
+                        "payload_too_large")
+    assert "2000 bytes" in body["detail"]
+    assert not Run.objects.exists()
+    # With an Idempotency-Key the body is read (and hashed) before it is parsed: still a 413.
+    assert_error(tenant.client.post("/api/v1/runs/", tenant.run_body(plan=plan), format="json",
+                                    HTTP_IDEMPOTENCY_KEY="big"), 413, "payload_too_large")
+    assert tenant.client.post("/api/v1/runs/", tenant.run_body(), format="json").status_code == 201
+
+
+def test_a_job_payload_over_the_body_limit_is_413(tenant, settings):
+    settings.ORCHESTRATOR_API_MAX_BODY_BYTES = 1_000
+    response = tenant.client.post("/api/v1/jobs/", {"type": "noop", "project": tenant.project.pk,
+                                                    "payload": {"value": "y" * 2_000}}, format="json")
+    assert_error(response, 413, "payload_too_large")
+    assert not Job.objects.exists()
+
+
+def test_djangos_own_upload_limit_is_413_not_500(tenant, settings):
+    """``DATA_UPLOAD_MAX_MEMORY_SIZE`` raises ``RequestDataTooBig`` where the raw body is read."""
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 500
+    response = tenant.client.post("/api/v1/runs/", tenant.run_body(name="n" * 1_000), format="json",
+                                  HTTP_IDEMPOTENCY_KEY="raw-body")
+    body = assert_error(response, 413, "payload_too_large")
+    assert "DATA_UPLOAD_MAX_MEMORY_SIZE" in body["detail"]
+
+
+def test_a_body_without_a_declared_length_is_limited_too(tenant, settings):
+    from core.api.parsers import LimitedJSONParser, PayloadTooLarge
+    import io
+
+    settings.ORCHESTRATOR_API_MAX_BODY_BYTES = 100
+    parser = LimitedJSONParser()
+    assert parser.parse(io.BytesIO(b'{"a": 1}'), parser_context={}) == {"a": 1}
+    with pytest.raises(PayloadTooLarge):
+        parser.parse(io.BytesIO(b'{"a": "' + b"z" * 200 + b'"}'), parser_context={})
+
+
+def test_json_nested_too_deeply_is_400_not_500(tenant):
+    body = "[" * 100_000 + "]" * 100_000
+    assert_error(tenant.client.post("/api/v1/runs/", body, content_type="application/json"), 400,
+                 "validation_error")
+
+
+# --- WebSocket subscriptions --------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_a_socket_may_hold_only_so_many_subscriptions(tenant, settings):
+    from orchestrator_site.asgi import application
+
+    settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS = 2
+    runs = [tenant.client.post("/api/v1/runs/", tenant.run_body(name=f"r{i}"), format="json").json()["id"]
+            for i in range(3)]
+
+    async def scenario():
+        communicator = WebsocketCommunicator(application, "/ws/events/", headers=[(b"origin", b"http://localhost")])
+        connected, _ = await communicator.connect()
+        assert connected
+        await communicator.send_json_to({"action": "auth", "token": tenant.token})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "hello"
+        for run_id in runs[:2]:
+            await communicator.send_json_to({"action": "subscribe", "run": run_id})
+            assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        await communicator.send_json_to({"action": "subscribe", "run": runs[2]})
+        refused = await communicator.receive_json_from(timeout=5)
+        assert (refused["type"], refused["code"]) == ("error", "too_many_subscriptions")
+        await communicator.send_json_to({"action": "unsubscribe", "run": runs[0]})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "unsubscribed"
+        await communicator.send_json_to({"action": "subscribe", "run": runs[2]})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
