@@ -5,8 +5,10 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+DRILL_ARGS ?=
+SCALE_ARGS ?=
 
-.PHONY: setup demo test migrate bench clean
+.PHONY: setup demo test migrate bench clean scale drill
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +29,19 @@ demo: migrate
 	@echo "  Log in as operator / operator (DEMO_USERNAME / DEMO_PASSWORD to change)."
 	@echo "  Ctrl-C stops it."
 	@echo ""
-	$(BIN)/python manage.py run_console --host $(HOST) --port $(PORT)
+	$(BIN)/python manage.py run_console --demo --host $(HOST) --port $(PORT)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Two qclusters and two daphnes on PostgreSQL + Redis (DATABASE_URL, REDIS_URL); Ctrl-C stops all.
+scale: setup
+	$(BIN)/python -m deploy.scale_out $(SCALE_ARGS)
+
+# Reliability drills on a scratch database (DRILL_DATABASE_URL, DRILL_REDIS_URL, DRILL_PG_CLUSTER);
+# DRILL_ARGS=--quick is the bounded form CI runs.
+drill: setup
+	$(BIN)/python -m deploy.drill $(DRILL_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis
