@@ -14,13 +14,13 @@ resumes from its cursor.
 
 Event ids come from a sequence, so a transaction that commits later may hold a smaller id.
 A missing id holds delivery back until the transaction that took it has ended: on PostgreSQL
-the relay notes which transactions may hold it when it first sees the gap (those in progress
-in ``pg_current_snapshot()``, plus every id from its ``xmax`` up to a fresh
-``pg_current_xact_id()``: a snapshot does not list running transactions above its ``xmax``)
-and skips the id only once none of them is still running and a fresh read still lacks it (it
-was rolled back); a commit that comes late is never skipped.
-``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long is logged and skipped).
-On SQLite, where one writer at a time takes ids, a gap is a rollback: ``GAP_WAIT_S``.
+the relay notes, when it first sees the gap, every transaction then running (by its virtual
+transaction id, which a transaction holds from its start, before it has a transaction id and
+until after its commit is visible to new snapshots), and skips the id only once none of them
+is still running and a fresh read still lacks it (it was rolled back); a commit that comes
+late is never skipped. ``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long
+is logged and skipped). On SQLite, where one writer at a time takes ids, a gap is a rollback:
+``GAP_WAIT_S``.
 """
 
 from __future__ import annotations
@@ -83,36 +83,38 @@ def _fetch(after: int) -> list[dict]:
         close_old_connections()  # give a pooled connection back between reads
 
 
-def _snapshot_now() -> str | None:
-    """PostgreSQL: the current snapshot and the next transaction id (``"<snapshot>|<id>"``)."""
+def _running_transactions() -> list[str]:
+    """PostgreSQL: the virtual ids of the transactions running now, this connection's excepted.
+
+    Every transaction holds the lock on its virtual id from its start (a transaction that took
+    an event id may not have a transaction id yet) and releases it only after its commit is
+    visible to new snapshots, so "none of these is held any more" means a fresh read sees all
+    they committed."""
     from django.db import connection
 
     close_old_connections()
     try:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_current_snapshot()::text || '|' || pg_current_xact_id()::text")
-            return cursor.fetchone()[0]
+            cursor.execute("SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' AND granted"
+                           " AND pid IS DISTINCT FROM pg_backend_pid()")
+            return [row[0] for row in cursor.fetchall()]
     finally:
         close_old_connections()
 
 
-def _fetch_after_gap(after: int, snapshot: str) -> tuple[list[dict], bool]:
-    """Whether every transaction in progress at ``snapshot`` has ended, then (after that check,
-    so a transaction that committed meanwhile is seen) the events after ``after``."""
+def _fetch_after_gap(after: int, holders: list[str]) -> tuple[list[dict], bool]:
+    """Whether every transaction of ``holders`` has ended, then (after that check, so what one
+    of them committed is seen) the events after ``after``."""
     from django.db import connection
 
     close_old_connections()
     try:
-        with connection.cursor() as cursor:
-            taken, upto = snapshot.split("|")
-            cursor.execute(
-                "SELECT NOT EXISTS (SELECT 1 FROM ("
-                " SELECT x FROM pg_snapshot_xip(%s::pg_snapshot) AS x"
-                " UNION ALL"
-                " SELECT g::text::xid8 FROM generate_series(pg_snapshot_xmax(%s::pg_snapshot)::text::bigint,"
-                "                                           %s::bigint - 1) AS g"
-                ") AS holders WHERE pg_xact_status(holders.x) = 'in progress')", [taken, taken, upto])
-            ended = bool(cursor.fetchone()[0])
+        ended = True
+        if holders:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'virtualxid' AND granted"
+                               " AND virtualxid = ANY(%s))", [holders])
+                ended = bool(cursor.fetchone()[0])
         return events_after(after), ended
     finally:
         close_old_connections()
@@ -174,7 +176,7 @@ class Relay:
         self.last_delivery_at: float | None = None
         self.connected_listener = False
         self.gap_since: float | None = None
-        self.gap_snapshot: str | None = None
+        self.gap_holders: list[str] | None = None
 
     @classmethod
     async def get(cls) -> "Relay":
@@ -245,9 +247,9 @@ class Relay:
     async def _pump(self) -> bool:
         """Deliver the next batch; True when there may be more right away."""
         ended = False
-        if self.gap_snapshot is not None:
+        if self.gap_holders is not None:
             rows, ended = await sync_to_async(_fetch_after_gap, thread_sensitive=False)(
-                self.cursor or 0, self.gap_snapshot)
+                self.cursor or 0, self.gap_holders)
         else:
             rows = await sync_to_async(_fetch, thread_sensitive=False)(self.cursor or 0)
         expected = (self.cursor or 0) + 1
@@ -256,8 +258,8 @@ class Relay:
                 now = time.monotonic()
                 if self.gap_since is None:
                     self.gap_since = now
-                if settings.DATABASE_IS_POSTGRES and self.gap_snapshot is None:
-                    self.gap_snapshot = await sync_to_async(_snapshot_now, thread_sensitive=False)()
+                if settings.DATABASE_IS_POSTGRES and self.gap_holders is None:
+                    self.gap_holders = await sync_to_async(_running_transactions, thread_sensitive=False)()
                     return False  # wait for the transactions that may hold the missing id to end
                 waited = now - self.gap_since
                 if settings.DATABASE_IS_POSTGRES:
@@ -269,7 +271,7 @@ class Relay:
                 elif waited < GAP_WAIT_S:
                     return False
             self.gap_since = None
-            self.gap_snapshot = None
+            self.gap_holders = None
             event = envelope(row)
             self.cursor = row["id"]
             expected = row["id"] + 1

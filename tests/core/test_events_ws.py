@@ -305,6 +305,40 @@ def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_s
     asyncio.run(scenario())
 
 
+@pytest.mark.postgres
+def test_a_late_event_whose_transaction_had_no_transaction_id_when_the_gap_was_seen_is_not_skipped(member):
+    """Taking a sequence value does not give a transaction a transaction id: one that took its
+    event id, but wrote nothing yet when the relay first saw the gap, is still waited for."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+    insert = ("INSERT INTO core_event (id, type, organization_id, project_id, payload, created_at) "
+              "VALUES (COALESCE(%s, nextval(pg_get_serial_sequence('core_event', 'id'))), %s, %s, %s, '{}', now()) "
+              "RETURNING id")
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
+        await communicator.receive_json_from(timeout=5)
+        with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo, autocommit=True) as fast:
+            reserved = late_tx.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
+            assert late_tx.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
+            early = fast.execute(insert, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
+            await asyncio.sleep(1.0)  # the relay has seen the gap
+            late_tx.execute(insert, [reserved, "late_commit", organization.pk, project.pk])  # its xid comes now
+            await asyncio.sleep(1.5)
+            await expect_nothing(communicator, wait=0.3)
+            late_tx.commit()
+            events = await receive_events(communicator, 2, timeout=10)
+        assert [(event["id"], event["type"]) for event in events] == [(reserved, "late_commit"),
+                                                                      (early, "early_commit")]
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
 def test_a_live_event_arriving_as_a_subscription_registers_waits_for_its_replay(member, monkeypatch):
     """The stream stays in id order: an event that goes live while the subscription's replay is
     still to be sent is held until the replay is done, and the replayed events are not lost."""
