@@ -75,6 +75,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         self.auth_timer: asyncio.Task | None = None
         self.replaying = False
         self.stream_start: int | None = None  # the relay cursor when the first group was registered
+        # group -> the ``after`` of its subscription where that is ahead of the relay's cursor
+        # (a client coming from a process whose relay was further on): the live events of that
+        # group up to there were sent before and are not sent again.
+        self.floors: dict[str, int] = {}
         await self.accept()
         user = self.scope.get("user")
         if user is not None and user.is_authenticated:
@@ -158,6 +162,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             cursor = self.relay.subscribe(self.subscriber, group)
             if self.stream_start is None:
                 self.stream_start = cursor
+            if after is not None and after > cursor:
+                self.floors[group] = after
             await self.send_json({"type": "subscribed", "scope": scope, "id": object_id, "cursor": cursor})
             if after is not None and after < cursor:
                 if earlier_groups:
@@ -177,6 +183,7 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if members is not None:
             members.discard(self.subscriber)
         self.subscriber.groups.discard(group)
+        self.floors.pop(group, None)
         await self.send_json({"type": "unsubscribed", "scope": scope, "id": object_id})
 
     async def _replay(self, after: int, upto: int, scope: str, object_id):
@@ -213,8 +220,11 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             for row in rows:
                 event = envelope(row)
                 matched = set(groups_of(event)) & self.subscriber.groups
-                if matched and not (new_group and matched == {new_group[0]} and event["id"] <= new_group[1]):
-                    await self._deliver(event)
+                if not matched or (new_group and matched == {new_group[0]} and event["id"] <= new_group[1]):
+                    continue
+                if self.floors and self._below_floors(event):
+                    continue
+                await self._deliver(event)
             position = rows[-1]["id"]
 
     async def _organizations_filter(self) -> list[int] | None:
@@ -229,13 +239,24 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         self.last_sent = event["id"]
         await self.send_json(event)
 
+    def _below_floors(self, event: dict) -> bool:
+        """True when every group of this connection the event matches had it sent before."""
+        from core.relay import groups_of
+
+        matched = set(groups_of(event)) & self.subscriber.groups
+        return bool(matched) and all(event["id"] <= self.floors.get(group, 0) for group in matched)
+
     async def _send_live(self):
         try:
             while True:
                 event = await self.subscriber.queue.get()
                 while self.replaying:
                     await asyncio.sleep(0.005)
+                if self.floors and self._below_floors(event):
+                    continue
                 await self._deliver(event)
+                if self.floors and event["id"] >= max(self.floors.values()):
+                    self.floors.clear()  # every later event is above them
                 if self.subscriber.overflowed and self.subscriber.queue.empty():
                     await self._catch_up()
         except asyncio.CancelledError:

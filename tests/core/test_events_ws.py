@@ -370,6 +370,38 @@ def test_a_live_event_arriving_as_a_subscription_registers_waits_for_its_replay(
     asyncio.run(scenario())
 
 
+def test_a_subscription_after_an_id_this_relay_has_not_reached_gets_no_duplicates(member, monkeypatch):
+    """A client that comes from a process whose relay was further on subscribes with an ``after``
+    ahead of this relay's cursor: the events up to there, which it has, are not sent again."""
+    from core.relay import EVENT_FIELDS, Relay, envelope
+
+    organization, project, _, cookie = member
+    ids = [event_record(type=f"step_{n}", organization_id=organization.pk, project_id=project.pk).pk
+           for n in range(4)]
+    envelopes = [envelope(row) for row in Event.objects.filter(pk__in=ids).order_by("id").values(*EVENT_FIELDS)]
+    registered = Relay.subscribe
+
+    def subscribe_behind(self, subscriber, group):
+        registered(self, subscriber, group)
+        for event in envelopes[1:]:  # this relay still has to hand over all but the first
+            subscriber.offer(event)
+        return ids[0]
+
+    monkeypatch.setattr(Relay, "subscribe", subscribe_behind)
+
+    async def scenario():
+        communicator = await connect([cookie])
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "project": project.pk, "after": ids[2]})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        events = await receive_events(communicator, 1)
+        assert [event["id"] for event in events] == [ids[3]]
+        await expect_nothing(communicator)
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_overflows_its_buffer_catches_up_from_the_database_in_order(member, monkeypatch):
     monkeypatch.setattr("core.relay.SUBSCRIBER_BUFFER", 5)
     organization, project, _, cookie = member
