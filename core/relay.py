@@ -20,7 +20,8 @@ until after its commit is visible to new snapshots), and skips the id only once 
 is still running and a fresh read still lacks it (it was rolled back); a commit that comes
 late is never skipped. ``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long
 is logged and skipped). On SQLite, where one writer at a time takes ids, a gap is a rollback:
-``GAP_WAIT_S``.
+``GAP_WAIT_S``. A relay that starts while transactions are in flight starts before the oldest
+recent missing id, so a late commit below the newest id is not passed over either.
 """
 
 from __future__ import annotations
@@ -90,16 +91,20 @@ def _running_transactions() -> list[str]:
     an event id may not have a transaction id yet) and releases it only after its commit is
     visible to new snapshots, so "none of these is held any more" means a fresh read sees all
     they committed."""
-    from django.db import connection
-
     close_old_connections()
     try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' AND granted"
-                           " AND pid IS DISTINCT FROM pg_backend_pid()")
-            return [row[0] for row in cursor.fetchall()]
+        return _running_on_this_connection()
     finally:
         close_old_connections()
+
+
+def _running_on_this_connection() -> list[str]:
+    from django.db import connection
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' AND granted"
+                       " AND pid IS DISTINCT FROM pg_backend_pid()")
+        return [row[0] for row in cursor.fetchall()]
 
 
 def _fetch_after_gap(after: int, holders: list[str]) -> tuple[list[dict], bool]:
@@ -120,14 +125,31 @@ def _fetch_after_gap(after: int, holders: list[str]) -> tuple[list[dict], bool]:
         close_old_connections()
 
 
-def _latest_id() -> int:
+START_WINDOW = 1_000
+
+
+def _start_cursor() -> int:
+    """Where a new relay starts: the newest event; on PostgreSQL, while other transactions run,
+    just before the oldest id missing among the last ``START_WINDOW`` (one of them may still
+    commit it: the gap rule then decides). On SQLite one writer at a time takes ids: a missing
+    id below the newest was rolled back."""
+    from django.conf import settings
     from django.db.models import Max
 
     from core.models import Event
 
     close_old_connections()
     try:
-        return Event.objects.aggregate(m=Max("id"))["m"] or 0
+        latest = Event.objects.aggregate(m=Max("id"))["m"] or 0
+        # Only a transaction that has been running since before that read can hold a missing
+        # id below it; read the ids after looking, so one that ended meanwhile is seen.
+        if not settings.DATABASE_IS_POSTGRES or not _running_on_this_connection():
+            return latest
+        recent = list(Event.objects.filter(id__gt=latest - START_WINDOW).order_by("id").values_list("id", flat=True))
+        for previous, current in zip(recent, recent[1:]):
+            if current != previous + 1:
+                return previous
+        return latest
     finally:
         close_old_connections()
 
@@ -177,6 +199,7 @@ class Relay:
         self.connected_listener = False
         self.gap_since: float | None = None
         self.gap_holders: list[str] | None = None
+        self.started = asyncio.Event()  # set once the cursor is known
 
     @classmethod
     async def get(cls) -> "Relay":
@@ -186,9 +209,10 @@ class Relay:
             relay = cls(loop)
             cls._by_loop[id(loop)] = relay
         if relay.task is None or relay.task.done():
-            if relay.cursor is None:
-                relay.cursor = await sync_to_async(_latest_id, thread_sensitive=False)()
+            # No await between the check and the start: connections that arrive together share
+            # one reader (two would move one cursor back and forth).
             relay.task = loop.create_task(relay._run(), name="orchestrator-relay")
+        await relay.started.wait()
         return relay
 
     # --- subscribers ---------------------------------------------------------------------
@@ -216,7 +240,19 @@ class Relay:
                     subscriber.offer(event)
 
     # --- the loop ----------------------------------------------------------------------
+    async def _start(self) -> None:
+        backoff = 0.1
+        while self.cursor is None:
+            try:
+                self.cursor = await sync_to_async(_start_cursor, thread_sensitive=False)()
+            except Exception:
+                logger.exception("relay could not read where to start; retrying in %.1fs", backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+        self.started.set()
+
     async def _run(self) -> None:
+        await self._start()
         listener = None
         if settings.DATABASE_IS_POSTGRES:
             listener = self.loop.create_task(self._listen(), name="orchestrator-relay-listen")

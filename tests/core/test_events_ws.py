@@ -339,6 +339,58 @@ def test_a_late_event_whose_transaction_had_no_transaction_id_when_the_gap_was_s
     asyncio.run(scenario())
 
 
+@pytest.mark.postgres
+def test_a_relay_that_starts_while_an_event_is_uncommitted_below_the_newest_still_delivers_it(member):
+    """A process that starts its relay while a transaction holds an id below the newest event
+    does not start past it: the event is delivered when it commits, before the newer one."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+    sql = ("INSERT INTO core_event (type, organization_id, project_id, payload, created_at) "
+           "VALUES (%s, %s, %s, '{}', now()) RETURNING id")
+
+    async def scenario(late_tx, after):
+        communicator = await connect([cookie])  # this event loop's relay starts now
+        await communicator.receive_json_from(timeout=5)
+        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk, "after": after})
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        await asyncio.sleep(0.5)
+        late_tx.commit()
+        events = await receive_events(communicator, 2, timeout=10)
+        await communicator.disconnect()
+        return [(event["id"], event["type"]) for event in events]
+
+    with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo, autocommit=True) as fast:
+        late = late_tx.execute(sql, ["late_commit", organization.pk, project.pk]).fetchone()[0]
+        early = fast.execute(sql, ["early_commit", organization.pk, project.pk]).fetchone()[0]
+        assert asyncio.run(scenario(late_tx, late - 1)) == [(late, "late_commit"), (early, "early_commit")]
+
+
+def test_connections_that_arrive_together_share_one_relay_reader(member):
+    """Every connection of a process shares one reader of the event table, however many arrive
+    while it is still finding where to start; each of them then gets every event once."""
+    organization, project, _, cookie = member
+
+    async def scenario():
+        clients = await asyncio.gather(*(connect([cookie]) for _ in range(20)))
+        for communicator in clients:
+            await communicator.receive_json_from(timeout=5)
+        readers = [task for task in asyncio.all_tasks() if task.get_name() == "orchestrator-relay"]
+        assert len(readers) == 1
+        for communicator in clients:
+            await communicator.send_json_to({"action": "subscribe", "project": project.pk})
+            await communicator.receive_json_from(timeout=5)
+        ids = await sync_to_async(lambda: [event_record(type="step_once", organization_id=organization.pk,
+                                                        project_id=project.pk).pk for _ in range(5)])()
+        for communicator in clients:
+            assert [event["id"] for event in await receive_events(communicator, 5)] == ids
+            await expect_nothing(communicator, wait=0.05)
+            await communicator.disconnect()
+
+    asyncio.run(scenario())
+
+
 def test_a_live_event_arriving_as_a_subscription_registers_waits_for_its_replay(member, monkeypatch):
     """The stream stays in id order: an event that goes live while the subscription's replay is
     still to be sent is held until the replay is done, and the replayed events are not lost."""
