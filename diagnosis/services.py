@@ -33,6 +33,9 @@ SUGGESTION_EVENT = "diagnosis_suggestion"
 PLACEHOLDER_TEXT = "explaining…"
 SUMMARY_MAX_CHARS = 300
 EXPLAIN_BACKLOG_MAX = 25  # waiting failure_explain jobs per project, at most
+BACKFILL_AFTER_S = 30  # a failure's own after-commit request has had its chance by then
+BACKFILL_WINDOW_S = 3_600  # older failures are not explained after the fact
+BACKFILL_BATCH = 50
 
 
 def one_line(text: str, limit: int = SUMMARY_MAX_CHARS) -> str:
@@ -147,6 +150,29 @@ def explanation_request(*, step_attempt_id: int) -> Explanation | None:
             explanation = _placeholder(attempt)
         return explanation_summarize(explanation_id=explanation.pk,
                                      summary=f"not explained: {exc.code} ({exc.detail})")
+
+
+def explanations_backfill(*, now=None) -> int:
+    """Request the explanations a failure's after-commit hook never asked for (its process
+    ended between the failure's commit and the hook): failed attempts of the last hour, at least
+    ``BACKFILL_AFTER_S`` old, with no explanation row. A maintenance duty; returns how many."""
+    from datetime import timedelta
+
+    from django.db.models import Exists, OuterRef
+
+    now = now or timezone.now()
+    explained = Explanation.objects.filter(run_id=OuterRef("run_id"), step_id=OuterRef("step_id"),
+                                           attempt_number=OuterRef("number"))
+    missing = list(StepAttempt.objects
+                   .filter(outcome=StepAttempt.Outcome.FAILED,
+                           finished_at__gte=now - timedelta(seconds=BACKFILL_WINDOW_S),
+                           finished_at__lt=now - timedelta(seconds=BACKFILL_AFTER_S))
+                   .exclude(Exists(explained)).order_by("finished_at").values_list("pk", flat=True)[:BACKFILL_BATCH])
+    for attempt_id in missing:
+        explanation_request_quietly(attempt_id)
+    if missing:
+        logger.warning("requested %s explanations a failure's own request never made", len(missing))
+    return len(missing)
 
 
 def explanation_request_quietly(step_attempt_id: int) -> None:

@@ -369,6 +369,8 @@ class StepAttempt(models.Model):
     class Meta:
         ordering = ["step_id", "number"]
         constraints = [models.UniqueConstraint(fields=["step", "number"], name="step_attempt_unique_number")]
+        indexes = [models.Index(fields=["finished_at"], condition=models.Q(outcome="failed"),
+                                name="step_attempt_failed_at")]
 
     def __str__(self) -> str:
         return self.idempotency_key

@@ -16,7 +16,7 @@ from jobs.models import Job, JobReason, JobState
 from jobs.services import job_cancel, job_claim, jobs_recover_expired
 from runs import services
 from runs.models import Run, StepAttempt
-from tests.diagnosis.conftest import drill, echo, one_task_plan, running_run
+from tests.diagnosis.conftest import current_step, drill, echo, one_task_plan, running_run
 from tests.drive import drain_jobs
 
 pytestmark = pytest.mark.django_db
@@ -313,3 +313,32 @@ def test_a_run_executed_by_the_queue_gets_every_failure_explained_once(project):
     assert rows[1].facts["engine"]["tries"][1]["waited_ms"] >= 90  # the engine waited out the first backoff
     assert explain_jobs().count() == 2
     assert timedelta(0) <= rows[0].explained_at - failed[0].finished_at
+
+
+def test_a_failure_whose_process_died_before_its_after_commit_request_is_explained_by_maintenance(project, clock):
+    """The explanation is requested after the failure commits; when that process dies first, the
+    workers' maintenance requests it once the failure is 30 s old, and only once."""
+    from jobs.worker import maintain
+
+    run = running_run(project, one_task_plan(drill("s0"), bystander=True))
+    attempt = services.step_begin(step_id=current_step(run.pk, "s0").pk)
+    # No after-commit callback runs here: the process "died" between the commit and the hook.
+    services.step_attempt_fail(attempt_id=attempt.pk, code="drill_retryable", message="drill: it broke",
+                               retryable=True)
+    assert not Explanation.objects.exists()
+
+    clock.advance(seconds=10)
+    maintain()
+    assert not Explanation.objects.exists()  # its own request may still come
+
+    clock.advance(seconds=25)
+    maintain()
+    explanation = Explanation.objects.get()
+    assert (explanation.step_attempt_id, explanation.status) == (attempt.pk, Explanation.Status.EXPLAINING)
+    assert explain_jobs().count() == 1
+
+    clock.advance(seconds=5)
+    maintain()
+    assert Explanation.objects.count() == 1 and explain_jobs().count() == 1
+    drain_explanations()
+    assert explanation_of(StepAttempt.objects.get(pk=attempt.pk)).status == Explanation.Status.FINAL
