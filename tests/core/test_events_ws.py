@@ -46,6 +46,21 @@ async def expect_nothing(communicator, wait=0.4):
     assert await communicator.receive_nothing(timeout=wait)
 
 
+async def subscribed(cookie, **subscription):
+    """A connection authenticated by ``cookie`` and subscribed (``organization=3, after=...``)."""
+    communicator = await connect([cookie])
+    await communicator.receive_json_from(timeout=5)
+    await communicator.send_json_to({"action": "subscribe", **subscription})
+    assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+    return communicator
+
+
+# An event written beside Django (other sessions): the id given, or the sequence's next one.
+INSERT_EVENT = ("INSERT INTO core_event (id, type, organization_id, project_id, payload, created_at) "
+                "VALUES (COALESCE(%s, nextval(pg_get_serial_sequence('core_event', 'id'))), %s, %s, %s, '{}', now()) "
+                "RETURNING id")
+
+
 def database_conninfo() -> str:
     """psycopg connection parameters for this test's PostgreSQL database (other sessions than Django's)."""
     from django.db import connection
@@ -245,19 +260,14 @@ def test_an_event_committed_late_behind_a_later_one_is_delivered_and_a_rolled_ba
 
     organization, project, _, cookie = member
     conninfo = database_conninfo()
-    sql = ("INSERT INTO core_event (type, organization_id, project_id, payload, created_at) "
-           "VALUES (%s, %s, %s, '{}', now()) RETURNING id")
 
     async def scenario():
-        communicator = await connect([cookie])
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
-        await communicator.receive_json_from(timeout=5)
+        communicator = await subscribed(cookie, organization=organization.pk)
         with psycopg.connect(conninfo) as slow, psycopg.connect(conninfo) as doomed, \
                 psycopg.connect(conninfo, autocommit=True) as fast:
-            late = slow.execute(sql, ["late_commit", organization.pk, project.pk]).fetchone()[0]
-            lost = doomed.execute(sql, ["rolled_back", organization.pk, project.pk]).fetchone()[0]
-            early = fast.execute(sql, ["early_commit", organization.pk, project.pk]).fetchone()[0]
+            late = slow.execute(INSERT_EVENT, [None, "late_commit", organization.pk, project.pk]).fetchone()[0]
+            lost = doomed.execute(INSERT_EVENT, [None, "rolled_back", organization.pk, project.pk]).fetchone()[0]
+            early = fast.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
             assert late < lost < early
             await asyncio.sleep(2.0)  # far longer than a fixed gap delay would wait
             await expect_nothing(communicator, wait=0.3)  # held back: the late one is still open
@@ -271,30 +281,41 @@ def test_an_event_committed_late_behind_a_later_one_is_delivered_and_a_rolled_ba
     asyncio.run(scenario())
 
 
-@pytest.mark.postgres
-def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_skipped(member):
-    """A snapshot does not list running transactions above its ``xmax``: a transaction that took
-    its event id early but its transaction id after the last completed one must still be waited
-    for."""
+def reserve_event_id(connection, *, without_xid: bool) -> int:
+    """Take the next event id in ``connection``'s transaction. ``nextval`` gives the transaction
+    no transaction id, except when it writes the sequence to the WAL (every 32 values, and first
+    after a checkpoint): ``without_xid`` takes another in a new transaction then."""
+    for _ in range(10):
+        reserved = connection.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
+        if not without_xid or connection.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None:
+            return reserved
+        connection.rollback()
+    raise AssertionError("every value came with a transaction id")
+
+
+def late_event_scenario(member, *, insert_before_gap: bool):
+    """An event id is taken by a transaction that commits after a later event: with its row
+    written before the relay sees the gap, under a transaction id newer than the later event's
+    (a snapshot does not list running transactions above its ``xmax``), or after (it had no
+    transaction id when the gap was seen). Either way the relay waits for it and delivers both
+    in id order."""
     import psycopg
 
     organization, project, _, cookie = member
     conninfo = database_conninfo()
-    insert = ("INSERT INTO core_event (id, type, organization_id, project_id, payload, created_at) "
-              "VALUES (COALESCE(%s, nextval(pg_get_serial_sequence('core_event', 'id'))), %s, %s, %s, '{}', now()) "
-              "RETURNING id")
 
     async def scenario():
-        communicator = await connect([cookie])
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
-        await communicator.receive_json_from(timeout=5)
+        communicator = await subscribed(cookie, organization=organization.pk)
         with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo) as early_tx:
-            reserved = late_tx.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
-            early = early_tx.execute(insert, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
-            late_tx.execute(insert, [reserved, "late_commit", organization.pk, project.pk])  # a newer xid
+            reserved = reserve_event_id(late_tx, without_xid=not insert_before_gap)
+            early = early_tx.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
+            if insert_before_gap:  # a transaction id newer than the later event's
+                late_tx.execute(INSERT_EVENT, [reserved, "late_commit", organization.pk, project.pk])
             early_tx.commit()
-            await asyncio.sleep(2.0)
+            await asyncio.sleep(1.0)  # the relay has seen the gap
+            if not insert_before_gap:
+                late_tx.execute(INSERT_EVENT, [reserved, "late_commit", organization.pk, project.pk])
+            await asyncio.sleep(1.0)
             await expect_nothing(communicator, wait=0.3)
             late_tx.commit()
             events = await receive_events(communicator, 2, timeout=10)
@@ -303,40 +324,16 @@ def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_s
         await communicator.disconnect()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_skipped(member):
+    late_event_scenario(member, insert_before_gap=True)
 
 
 @pytest.mark.postgres
 def test_a_late_event_whose_transaction_had_no_transaction_id_when_the_gap_was_seen_is_not_skipped(member):
-    """Taking a sequence value does not give a transaction a transaction id: one that took its
-    event id, but wrote nothing yet when the relay first saw the gap, is still waited for."""
-    import psycopg
-
-    organization, project, _, cookie = member
-    conninfo = database_conninfo()
-    insert = ("INSERT INTO core_event (id, type, organization_id, project_id, payload, created_at) "
-              "VALUES (COALESCE(%s, nextval(pg_get_serial_sequence('core_event', 'id'))), %s, %s, %s, '{}', now()) "
-              "RETURNING id")
-
-    async def scenario():
-        communicator = await connect([cookie])
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk})
-        await communicator.receive_json_from(timeout=5)
-        with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo, autocommit=True) as fast:
-            reserved = late_tx.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
-            assert late_tx.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None
-            early = fast.execute(insert, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
-            await asyncio.sleep(1.0)  # the relay has seen the gap
-            late_tx.execute(insert, [reserved, "late_commit", organization.pk, project.pk])  # its xid comes now
-            await asyncio.sleep(1.5)
-            await expect_nothing(communicator, wait=0.3)
-            late_tx.commit()
-            events = await receive_events(communicator, 2, timeout=10)
-        assert [(event["id"], event["type"]) for event in events] == [(reserved, "late_commit"),
-                                                                      (early, "early_commit")]
-        await communicator.disconnect()
-
-    asyncio.run(scenario())
+    late_event_scenario(member, insert_before_gap=False)
 
 
 @pytest.mark.postgres
@@ -347,14 +344,10 @@ def test_a_relay_that_starts_while_an_event_is_uncommitted_below_the_newest_stil
 
     organization, project, _, cookie = member
     conninfo = database_conninfo()
-    sql = ("INSERT INTO core_event (type, organization_id, project_id, payload, created_at) "
-           "VALUES (%s, %s, %s, '{}', now()) RETURNING id")
 
     async def scenario(late_tx, after):
-        communicator = await connect([cookie])  # this event loop's relay starts now
-        await communicator.receive_json_from(timeout=5)
-        await communicator.send_json_to({"action": "subscribe", "organization": organization.pk, "after": after})
-        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
+        # This event loop's relay starts with this connection.
+        communicator = await subscribed(cookie, organization=organization.pk, after=after)
         await asyncio.sleep(0.5)
         late_tx.commit()
         events = await receive_events(communicator, 2, timeout=10)
@@ -362,8 +355,8 @@ def test_a_relay_that_starts_while_an_event_is_uncommitted_below_the_newest_stil
         return [(event["id"], event["type"]) for event in events]
 
     with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo, autocommit=True) as fast:
-        late = late_tx.execute(sql, ["late_commit", organization.pk, project.pk]).fetchone()[0]
-        early = fast.execute(sql, ["early_commit", organization.pk, project.pk]).fetchone()[0]
+        late = late_tx.execute(INSERT_EVENT, [None, "late_commit", organization.pk, project.pk]).fetchone()[0]
+        early = fast.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
         assert asyncio.run(scenario(late_tx, late - 1)) == [(late, "late_commit"), (early, "early_commit")]
 
 
