@@ -14,11 +14,12 @@ resumes from its cursor.
 
 Event ids come from a sequence, so a transaction that commits later may hold a smaller id.
 A missing id holds delivery back until the transaction that took it has ended: on PostgreSQL
-the relay notes, when it first sees the gap, every transaction then running (by its virtual
-transaction id, which a transaction holds from its start, before it has a transaction id and
-until after its commit is visible to new snapshots), and skips the id only once none of them
-is still running and a fresh read still lacks it (it was rolled back); a commit that comes
-late is never skipped. ``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long
+the relay notes, when it first sees the gap, every transaction then running that may hold it
+(one that wrote, or one inside a statement on the event table: an insert takes its id before
+its transaction has a transaction id) by its virtual transaction id, which a transaction holds
+until after its commit is visible to new snapshots; it skips the id only once none of them is
+still running and a fresh read still lacks it (it was rolled back); a commit that comes late is
+never skipped. ``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long
 is logged and skipped). On SQLite, where one writer at a time takes ids, a gap is a rollback:
 ``GAP_WAIT_S``. A relay that starts while transactions are in flight starts before the oldest
 recent missing id, so a late commit below the newest id is not passed over either.
@@ -85,12 +86,14 @@ def _fetch(after: int) -> list[dict]:
 
 
 def _running_transactions() -> list[str]:
-    """PostgreSQL: the virtual ids of the transactions running now, this connection's excepted.
+    """PostgreSQL: the virtual ids of the transactions that may hold an event id not yet visible.
 
-    Every transaction holds the lock on its virtual id from its start (a transaction that took
-    an event id may not have a transaction id yet) and releases it only after its commit is
+    A transaction holds the lock on its virtual id from its start until after its commit is
     visible to new snapshots, so "none of these is held any more" means a fresh read sees all
-    they committed."""
+    they committed. Counted: this database's client sessions (this one excepted) that have a
+    transaction id (they wrote), or that are inside a statement on the event table (an insert
+    takes its id before its transaction has a transaction id). A long read-only transaction, a
+    backup's for one, does not hold delivery back."""
     close_old_connections()
     try:
         return _running_on_this_connection()
@@ -101,9 +104,15 @@ def _running_transactions() -> list[str]:
 def _running_on_this_connection() -> list[str]:
     from django.db import connection
 
+    from core.models import Event
+
     with connection.cursor() as cursor:
-        cursor.execute("SELECT virtualxid FROM pg_locks WHERE locktype = 'virtualxid' AND granted"
-                       " AND pid IS DISTINCT FROM pg_backend_pid()")
+        cursor.execute(
+            "SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
+            " WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = l.virtualtransaction"
+            " AND a.pid <> pg_backend_pid() AND a.datname = current_database()"
+            " AND (a.backend_xid IS NOT NULL OR (a.state = 'active' AND a.query ILIKE %s))",
+            [f"%{Event._meta.db_table}%"])
         return [row[0] for row in cursor.fetchall()]
 
 

@@ -281,24 +281,10 @@ def test_an_event_committed_late_behind_a_later_one_is_delivered_and_a_rolled_ba
     asyncio.run(scenario())
 
 
-def reserve_event_id(connection, *, without_xid: bool) -> int:
-    """Take the next event id in ``connection``'s transaction. ``nextval`` gives the transaction
-    no transaction id, except when it writes the sequence to the WAL (every 32 values, and first
-    after a checkpoint): ``without_xid`` takes another in a new transaction then."""
-    for _ in range(10):
-        reserved = connection.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
-        if not without_xid or connection.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0] is None:
-            return reserved
-        connection.rollback()
-    raise AssertionError("every value came with a transaction id")
-
-
-def late_event_scenario(member, *, insert_before_gap: bool):
-    """An event id is taken by a transaction that commits after a later event: with its row
-    written before the relay sees the gap, under a transaction id newer than the later event's
-    (a snapshot does not list running transactions above its ``xmax``), or after (it had no
-    transaction id when the gap was seen). Either way the relay waits for it and delivers both
-    in id order."""
+@pytest.mark.postgres
+def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_skipped(member):
+    """A snapshot does not list running transactions above its ``xmax``: a transaction that took
+    its event id early but its transaction id after the later event's must still be waited for."""
     import psycopg
 
     organization, project, _, cookie = member
@@ -307,15 +293,11 @@ def late_event_scenario(member, *, insert_before_gap: bool):
     async def scenario():
         communicator = await subscribed(cookie, organization=organization.pk)
         with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo) as early_tx:
-            reserved = reserve_event_id(late_tx, without_xid=not insert_before_gap)
+            reserved = late_tx.execute("SELECT nextval(pg_get_serial_sequence('core_event', 'id'))").fetchone()[0]
             early = early_tx.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
-            if insert_before_gap:  # a transaction id newer than the later event's
-                late_tx.execute(INSERT_EVENT, [reserved, "late_commit", organization.pk, project.pk])
+            late_tx.execute(INSERT_EVENT, [reserved, "late_commit", organization.pk, project.pk])  # a newer xid
             early_tx.commit()
-            await asyncio.sleep(1.0)  # the relay has seen the gap
-            if not insert_before_gap:
-                late_tx.execute(INSERT_EVENT, [reserved, "late_commit", organization.pk, project.pk])
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(2.0)
             await expect_nothing(communicator, wait=0.3)
             late_tx.commit()
             events = await receive_events(communicator, 2, timeout=10)
@@ -327,13 +309,73 @@ def late_event_scenario(member, *, insert_before_gap: bool):
 
 
 @pytest.mark.postgres
-def test_a_late_event_whose_transaction_is_newer_than_the_gaps_snapshot_is_not_skipped(member):
-    late_event_scenario(member, insert_before_gap=True)
+def test_an_insert_that_took_its_id_but_has_no_transaction_id_yet_is_waited_for(member):
+    """An insert takes its event id before its transaction has a transaction id (that comes with
+    the row's write): a relay that sees the gap in between still waits for that transaction. A
+    row trigger that sleeps holds an insert there."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        admin.execute("CREATE FUNCTION test_hold_late_event() RETURNS trigger AS $$ BEGIN"
+                      " IF NEW.type = 'late_commit' THEN PERFORM pg_sleep(1.5); END IF; RETURN NEW; END"
+                      " $$ LANGUAGE plpgsql")
+        admin.execute("CREATE TRIGGER test_hold_late_event BEFORE INSERT ON core_event"
+                      " FOR EACH ROW EXECUTE FUNCTION test_hold_late_event()")
+
+    def insert_late(connection) -> tuple[int, object]:
+        late = connection.execute(INSERT_EVENT, [None, "late_commit", organization.pk, project.pk]).fetchone()[0]
+        return late, connection.execute("SELECT pg_current_xact_id_if_assigned()").fetchone()[0]
+
+    async def scenario():
+        communicator = await subscribed(cookie, organization=organization.pk)
+        with psycopg.connect(conninfo) as late_tx, psycopg.connect(conninfo, autocommit=True) as fast:
+            inserting = asyncio.get_running_loop().run_in_executor(None, insert_late, late_tx)
+            await asyncio.sleep(0.5)  # the late insert has its id and sleeps before writing its row
+            early = fast.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
+            await asyncio.sleep(0.5)  # the relay has seen the gap
+            late, xid = await inserting
+            assert late < early and xid is not None
+            await asyncio.sleep(0.5)
+            await expect_nothing(communicator, wait=0.3)
+            late_tx.commit()
+            events = await receive_events(communicator, 2, timeout=10)
+        assert [(event["id"], event["type"]) for event in events] == [(late, "late_commit"), (early, "early_commit")]
+        await communicator.disconnect()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as admin:
+            admin.execute("DROP TRIGGER IF EXISTS test_hold_late_event ON core_event")
+            admin.execute("DROP FUNCTION IF EXISTS test_hold_late_event()")
 
 
 @pytest.mark.postgres
-def test_a_late_event_whose_transaction_had_no_transaction_id_when_the_gap_was_seen_is_not_skipped(member):
-    late_event_scenario(member, insert_before_gap=False)
+def test_a_long_read_only_transaction_does_not_hold_delivery_back(member):
+    """A backup or a report reading in a long transaction cannot hold an event id: a gap left by
+    a rolled-back insert is passed as soon as the writers have ended, not after the reader."""
+    import psycopg
+
+    organization, project, _, cookie = member
+    conninfo = database_conninfo()
+
+    async def scenario():
+        communicator = await subscribed(cookie, organization=organization.pk)
+        with psycopg.connect(conninfo) as reader, psycopg.connect(conninfo) as doomed, \
+                psycopg.connect(conninfo, autocommit=True) as fast:
+            reader.execute("SELECT count(*) FROM core_event").fetchone()  # a transaction left open
+            doomed.execute(INSERT_EVENT, [None, "rolled_back", organization.pk, project.pk])
+            early = fast.execute(INSERT_EVENT, [None, "early_commit", organization.pk, project.pk]).fetchone()[0]
+            await asyncio.sleep(0.5)
+            doomed.rollback()
+            events = await receive_events(communicator, 1, timeout=5)
+            assert [(event["id"], event["type"]) for event in events] == [(early, "early_commit")]
+            reader.rollback()
+        await communicator.disconnect()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.postgres
