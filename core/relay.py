@@ -15,8 +15,8 @@ resumes from its cursor.
 Event ids come from a sequence, so a transaction that commits later may hold a smaller id.
 A missing id holds delivery back until the transaction that took it has ended: on PostgreSQL
 the relay notes, when it first sees the gap, every transaction then running that may hold it
-(one that wrote, or one inside a statement on the event table: an insert takes its id before
-its transaction has a transaction id) by its virtual transaction id, which a transaction holds
+(one that wrote, or one inside an insert into the event table, which takes its id before its
+transaction has a transaction id) by its virtual transaction id, which a transaction holds
 until after its commit is visible to new snapshots; it skips the id only once none of them is
 still running and a fresh read still lacks it (it was rolled back); a commit that comes late is
 never skipped. ``GAP_MAX_WAIT_S`` bounds the wait (a transaction left open that long
@@ -91,8 +91,8 @@ def _running_transactions() -> list[str]:
     A transaction holds the lock on its virtual id from its start until after its commit is
     visible to new snapshots, so "none of these is held any more" means a fresh read sees all
     they committed. Counted: this database's client sessions (this one excepted) that have a
-    transaction id (they wrote), or that are inside a statement on the event table (an insert
-    takes its id before its transaction has a transaction id). A long read-only transaction, a
+    transaction id (they wrote), or that are inside an insert into the event table (it takes its
+    id before its transaction has a transaction id). A long read-only transaction, a
     backup's for one, does not hold delivery back."""
     close_old_connections()
     try:
@@ -111,8 +111,8 @@ def _running_on_this_connection() -> list[str]:
             "SELECT l.virtualxid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid"
             " WHERE l.locktype = 'virtualxid' AND l.granted AND l.virtualxid = l.virtualtransaction"
             " AND a.pid <> pg_backend_pid() AND a.datname = current_database()"
-            " AND (a.backend_xid IS NOT NULL OR (a.state = 'active' AND a.query ILIKE %s))",
-            [f"%{Event._meta.db_table}%"])
+            " AND (a.backend_xid IS NOT NULL OR (a.state = 'active' AND a.query ~* %s))",
+            [rf'insert\s+into\s+"?{Event._meta.db_table}\M'])
         return [row[0] for row in cursor.fetchall()]
 
 
