@@ -13,7 +13,9 @@ after a short warm-up:
 * ``POST runs/`` replay    the same key and body again: the stored answer.
 
 Printed: requests/s, p50 and p99 latency, and each endpoint's ratios to ping at the same
-concurrency (throughput ratio and p99 ratio).
+concurrency (throughput ratio and p99 ratio). The server runs without request rate limits
+unless ``--rate`` gives one (``--rate 1000000/minute`` counts every request without refusing
+any: the cost of the limiter).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", default="1,16")
     parser.add_argument("--conn-max-age", type=int, default=0, help="DB_CONN_MAX_AGE of the daphne process")
+    parser.add_argument("--rate", default="", help="ORCHESTRATOR_API_RATE of the server (default: no limit)")
     parser.add_argument("--server-settings", default="",
                         help="another DJANGO_SETTINGS_MODULE for daphne (e.g. one with a connection pool)")
     args = parser.parse_args()
@@ -155,7 +158,9 @@ def main() -> None:
     logs = Path(__file__).resolve().parent / "out"
     logs.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    server_env = {"DJANGO_SETTINGS_MODULE": args.server_settings} if args.server_settings else {}
+    server_env = {"ORCHESTRATOR_API_RATE": args.rate, "ORCHESTRATOR_API_ANON_RATE": args.rate}
+    if args.server_settings:
+        server_env["DJANGO_SETTINGS_MODULE"] = args.server_settings
     server = start_daphne(port, logs / "api-daphne.log", args.conn_max_age, server_env)
     try:
         def ready() -> bool:
@@ -177,7 +182,8 @@ def main() -> None:
         stop_process(server)
 
     print(f"database={args.db} server=daphne (1 process, DB_CONN_MAX_AGE={args.conn_max_age}"
-          f"{', settings ' + args.server_settings if args.server_settings else ''}) "
+          f"{', settings ' + args.server_settings if args.server_settings else ''}, "
+          f"rate limit {args.rate or 'none'}) "
           f"window={args.seconds:g}s per row; "
           f"ratios are to GET ping/ at the same concurrency")
     print(f"{'endpoint':<26}{'clients':>8}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'rps ratio':>11}{'p99 ratio':>11}")

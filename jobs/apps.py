@@ -23,6 +23,10 @@ class JobsConfig(AppConfig):
         check_q_cluster(settings.Q_CLUSTER)
         from django_q.signals import post_spawn
 
+        from jobs import cluster_queue
+
+        cluster_queue.install()  # a worker killed while idle must not freeze its cluster
+
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
         from jobs.worker import ensure_started
 

@@ -293,10 +293,11 @@ SPECTACULAR_SETTINGS = {
 }
 # Requests per authenticated caller and per address of callers without valid credentials
 # ("600/minute", "20/s"; empty: no limit), counted atomically in the database or in Redis
-# (core/ratelimit.py). Idempotency keys live 24 h; a request that crashed leaves its key in
+# (core/ratelimit.py). The defaults leave a program room (20 requests/s sustained) and stop a
+# runaway loop or a token guesser. Idempotency keys live 24 h; a request that crashed leaves its key in
 # flight for at most the in-flight timeout.
-ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "")
-ORCHESTRATOR_API_ANON_RATE = env_str("ORCHESTRATOR_API_ANON_RATE", "")
+ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "1200/minute")
+ORCHESTRATOR_API_ANON_RATE = env_str("ORCHESTRATOR_API_ANON_RATE", "120/minute")
 ORCHESTRATOR_RATE_LIMIT_STORE = env_str("ORCHESTRATOR_RATE_LIMIT_STORE", "redis" if REDIS_URL else "database")
 if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_RATE_LIMIT_STORE == "redis"
                                                                    and not REDIS_URL):

@@ -2,9 +2,10 @@
 
 Per principal and fixed window, counted atomically (``core.ratelimit``): an authenticated
 caller (API token or session) is ``user:<id>`` and gets ``ORCHESTRATOR_API_RATE``; a caller
-without valid credentials is ``ip:<address>`` and gets ``ORCHESTRATOR_API_ANON_RATE`` (by
-default the same rate). Requests that fail authentication count too, so guessing tokens is
-limited like anything else. Empty rates: no limit (the default).
+without valid credentials is ``ip:<address>`` and gets ``ORCHESTRATOR_API_ANON_RATE`` (empty:
+the same rate). Requests that fail authentication count too, so guessing tokens is limited
+like anything else. Defaults: 1200/minute per caller, 120/minute per address; an empty
+``ORCHESTRATOR_API_RATE``: no limit. ``health/`` is never limited.
 """
 
 from __future__ import annotations

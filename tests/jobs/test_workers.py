@@ -165,3 +165,33 @@ def test_stopping_a_cluster_is_bounded_and_loses_nothing(project, tmp_path):
     with Cluster(tmp_path / "second.log", ORCHESTRATOR_Q_NAME="stop-drain"):
         wait_for(lambda: Job.objects.filter(pk__in=jobs, state=JobState.COMPLETED).count() == len(jobs),
                  timeout=120, interval=0.3, message="every job completed after the restart")
+
+
+def idle_workers(*, at_least: int) -> list[str] | None:
+    idle = list(WorkerHeartbeat.objects.filter(current_job_id__isnull=True).values_list("worker", flat=True))
+    return idle if len(idle) >= at_least else None
+
+
+@pytest.mark.slow
+def test_a_cluster_whose_idle_workers_are_killed_still_executes(project, tmp_path):
+    """An idle django-q2 worker waits for the next task; one of them used to wait holding the task
+    queue's read lock, so killing it (``kill -9``, the OOM killer) froze the whole cluster while
+    every process still looked alive (django-q2 issue #23). Kill every idle worker, twice: the
+    reincarnated workers still execute what comes next."""
+    import time
+
+    with Cluster(tmp_path / "qcluster.log", ORCHESTRATOR_Q_NAME="idle-kill", ORCHESTRATOR_Q_WORKERS=2):
+        for round_number in range(3):
+            job = job_enqueue(job_type="probe", project=project, payload={"value": round_number}).job.pk
+            wait_for(lambda: Job.objects.get(pk=job).state == JobState.COMPLETED, timeout=30,
+                     message=f"job {round_number + 1} completed after {round_number} rounds of kills")
+            if round_number == 2:
+                break
+            beats = wait_for(lambda: idle_workers(at_least=2), timeout=30, message="two idle workers")
+            time.sleep(1.0)  # idle: waiting for the next task
+            for worker in beats:
+                try:
+                    os.kill(int(worker.rsplit(":", 1)[1]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            WorkerHeartbeat.objects.filter(worker__in=beats).delete()
