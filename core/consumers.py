@@ -252,11 +252,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
                 event = await self.subscriber.queue.get()
                 while self.replaying:
                     await asyncio.sleep(0.005)
-                if self.floors and self._below_floors(event):
-                    continue
-                await self._deliver(event)
-                if self.floors and event["id"] >= max(self.floors.values()):
-                    self.floors.clear()  # every later event is above them
+                if not (self.floors and self._below_floors(event)):
+                    await self._deliver(event)
+                    if self.floors and event["id"] >= max(self.floors.values()):
+                        self.floors.clear()  # every later event is above them
                 if self.subscriber.overflowed and self.subscriber.queue.empty():
                     await self._catch_up()
         except asyncio.CancelledError:
