@@ -213,10 +213,12 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
         raise NotFound(f"run {run_id} does not exist") from exc
     used = ApprovalRequest.objects.filter(approval_ref=approval_ref).first()
     if used is not None:
-        if used.run_id == run.pk and used.gate == gate:
+        if used.run_id == run.pk and used.gate == gate and used.attempt_number == run.attempt_number:
             return used  # the same approval again: nothing changes
-        raise ApprovalReused(f"approval reference {approval_ref!r} was already used by run {used.run_id} "
-                             f"for gate {used.gate!r}", run=used.run_id, gate=used.gate)
+        attempt = f" (attempt {used.attempt_number})" if used.run_id == run.pk else ""
+        raise ApprovalReused(f"approval reference {approval_ref!r} was already used by run {used.run_id}{attempt} "
+                             f"for gate {used.gate!r}; each approval needs a new reference",
+                             run=used.run_id, gate=used.gate, attempt=used.attempt_number)
     request = ApprovalRequest.objects.filter(run=run, attempt_number=run.attempt_number, gate=gate,
                                              status=ApprovalRequest.Status.PENDING).first()
     if request is None or run.status_reason != f"{AWAITING_APPROVAL}{gate}":

@@ -5,7 +5,7 @@ only (``Run.gated``): each phase (a task of the plan) gets a ``PhaseRecord`` whe
 its result when it ends; the attempt's running clock (``RunAttempt.active_ms`` +
 ``active_since``) runs while the run is ``running`` and stops when it pauses or ends, so caps
 count running time, never time spent waiting for a human; the plan's pins are recorded when
-the attempt begins and a step's when it succeeds; phase keys are claimed when the run starts and
+the attempt begins and a step's when it succeeds; phase keys are claimed when a live run starts and
 released when it is voided. Nothing here changes a status.
 """
 
@@ -170,8 +170,9 @@ def phase_keys(run: Run) -> dict[str, str]:
 
 def pipeline_keys_claim(run: Run) -> list[PipelineKey]:
     """Hold the run's phase keys (already held by this run: nothing to do). A key another run
-    holds refuses the whole claim with ``pipeline_key_in_use``."""
-    if not run.gated:
+    holds refuses the whole claim with ``pipeline_key_in_use``. A dry run applies no change set:
+    it claims no key, so it neither blocks nor is blocked by the live run of the same plan."""
+    if not run.gated or run.mode == "dryrun":
         return []
     wanted = phase_keys(run)
     held = set(PipelineKey.objects.filter(run=run, released_at__isnull=True).values_list("key", flat=True))

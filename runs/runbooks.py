@@ -326,7 +326,8 @@ RUN_ESCALATE = Runbook(name="escalate", title="Escalate", permission="runs.escal
 def _approve_plan(run: Run, options: dict) -> Plan:
     gate, ref = options.get("gate") or "", options.get("approval_ref") or ""
     skip = ""
-    if ref and ApprovalRequest.objects.filter(run=run, gate=gate, approval_ref=ref).exists():
+    if ref and ApprovalRequest.objects.filter(run=run, attempt_number=run.attempt_number, gate=gate,
+                                              approval_ref=ref).exists():
         skip = f"gate {gate!r} already approved with reference {ref!r}"
     elif run.status in SETTLED_RUN_STATES:
         skip = _ended(run)

@@ -1037,6 +1037,8 @@ def _replan(run: Run) -> bool:
     failed work to the current attempt (at most ``MAX_REPLANS`` times). True when it did."""
     from runs.planner import MAX_REPLANS, PLANNER, replan_needed
 
+    if run.gated:  # a gated pipeline's phases, checks and keys are its contract: it fails, never re-plans
+        return False
     if run.status != Run.Status.RUNNING or run.replan_count >= MAX_REPLANS or not replan_needed(run):
         return False
     failed = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number, status=NodeStatus.FAILED))

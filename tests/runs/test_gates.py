@@ -503,3 +503,50 @@ def test_a_retried_gated_run_pins_its_new_attempt_and_keeps_its_keys(project, fi
     assert list(PipelineKey.objects.filter(key="CS-9").values_list("run_id", "released_at")) == [(run.pk, None)]
     assert GateReceipt.objects.filter(run=run, gate="IG_one").count() == 2  # once per attempt
     assert invariants_check() == []
+
+
+def test_a_gated_run_whose_tool_step_keeps_failing_fails_and_is_never_replanned(project, files):
+    manifest, _ = files
+    plan = small_plan(manifest, middle={"name": "flaky", "tool": "fail", "args": {"times": 1000}})
+    run = drive(start(project, plan))
+    assert (run.status, run.last_error_code, run.replan_count) == (Run.Status.FAILED, "drill_retryable", 0)
+    assert not Event.objects.filter(run_id=run.pk, type="run_replanned").exists()
+    assert [r.gate for r in receipts(run)] == ["IG_one"]  # phase three's gate never ran, with or without its check
+    assert invariants_check() == []
+
+
+def test_a_dry_run_holds_no_phase_key_so_the_live_run_of_the_same_change_set_starts(project, files):
+    manifest, _ = files
+    plan = small_plan(manifest, key="CS-dry")
+    rehearsal = drive(start(project, plan, mode="dryrun"))
+    assert rehearsal.status == Run.Status.COMPLETED
+    assert not PipelineKey.objects.filter(run=rehearsal).exists()
+    live = drive(start(project, plan))
+    assert live.status == Run.Status.COMPLETED
+    assert list(PipelineKey.objects.filter(key="CS-dry").values_list("run_id", "released_at")) == [(live.pk, None)]
+    with pytest.raises(PipelineKeyInUse):  # the live run keeps its key: the change set is applied once
+        start(project, plan)
+    start(project, plan, mode="dryrun")  # while a rehearsal still may
+
+
+def test_an_approval_reference_of_an_earlier_attempt_is_refused_and_a_new_one_approves(project, files, operator):
+    manifest, backup = files
+    plan = small_plan(manifest, middle={"name": "ask", "kind": "approval", "gate": "SG_go"})
+    plan["agents"][0]["tasks"][2]["steps"] = [check("IG_three", "file_digest", path=str(backup),
+                                                    sha256=sha256(backup))]
+    run = drive(start(project, plan))
+    gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="go")
+    backup.write_bytes(b"tampered")
+    assert drive(run).last_error_code == "gate_failed:IG_three"
+    backup.write_bytes(b"encrypted backup")
+    services.run_retry(run_id=run.pk, actor=operator, reason="backup restored")
+    run = drive(run)
+    assert (run.attempt_number, run.status_reason) == (2, "awaiting_approval:SG_go")
+    with pytest.raises(gates.ApprovalReused) as refused:
+        gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="again")
+    assert refused.value.extra["attempt"] == 1
+    assert Run.objects.get(pk=run.pk).status == Run.Status.PAUSED
+    request = gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-8", actor=operator, reason="go")
+    assert (request.attempt_number, request.approval_ref) == (2, "KB-8")
+    assert drive(run).status == Run.Status.COMPLETED
+    assert invariants_check() == []
