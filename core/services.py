@@ -66,13 +66,20 @@ def transition_log(**fields: Any) -> None:
     The record's ``fields`` (see ``transition_fields``) become the keys of its JSON line
     (``core.logging.JsonFormatter``): ``entity``, ``<entity>_id``, ``project_id``, ``run_id``,
     ``type``, ``attempt``, ``from``, ``to``, ``reason`` and whatever else the caller adds.
+
+    Written when the caller's transaction commits (at once outside one): a transition rolled
+    back never appears in the log.
     """
     if not logger.isEnabledFor(logging.INFO):
         return
     line = transition_fields(fields)
     entity = line["entity"]
-    logger.info("%s %s %s -> %s", entity, line.get(f"{entity}_id"), line["from"], line["to"],
-                extra={"fields": {"event": "transition", **line}})
+
+    def write() -> None:
+        logger.info("%s %s %s -> %s", entity, line.get(f"{entity}_id"), line["from"], line["to"],
+                    extra={"fields": {"event": "transition", **line}})
+
+    transaction.on_commit(write, robust=True)
 
 
 def actor_label(actor) -> str:

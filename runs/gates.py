@@ -24,7 +24,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
-from core.services import actor_label, audit_record, event_record
+from core.services import actor_label, audit_record, event_record, transition_log
 from runs import services
 from runs.checks import CheckContext, CheckResult, check_args, check_evaluate
 from runs.models import (
@@ -234,6 +234,9 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
             request.save()
     except IntegrityError as exc:
         raise ApprovalReused(f"approval reference {approval_ref!r} was already used") from exc
+    transition_log(entity="approval", id=request.pk, project=run.project_id, run=run.pk,
+                   attempt=request.attempt_number, gate=gate, **{"from": ApprovalRequest.Status.PENDING,
+                                                                 "to": request.status}, reason=reason)
     event_record(type="approval_granted", organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
                                          "approval_ref": approval_ref})
@@ -275,6 +278,9 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
         drift.actor_label = label
         drift.reason = reason
         drift.save(update_fields=["status", "acknowledged_at", "acknowledged_by", "actor_label", "reason"])
+        transition_log(entity="drift", id=drift.pk, project=run.project_id, run=run.pk, attempt=drift.attempt_number,
+                       dimension=drift.dimension, **{"from": DriftRecord.Status.OPEN, "to": drift.status},
+                       reason=reason)
         pin = current.get(drift.dimension) if drift.kind == DriftRecord.Kind.PIN else None
         if pin is not None:
             pin.superseded_at = now

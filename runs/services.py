@@ -36,6 +36,7 @@ from runs.models import (
     LIVE_NODE_STATES,
     MAX_RETRIES_PER_LEVEL,
     Agent,
+    ApprovalRequest,
     Artifact,
     FailureMode,
     NodeStatus,
@@ -219,6 +220,10 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
     node.save()
     if isinstance(node, Task) and run.gated:
         pipeline.phase_moved(run, node, action=action)
+    entity = type(node).__name__.lower()
+    transition_log(entity=entity, id=node.pk, project=run.project_id, run=run.pk, attempt=run.attempt_number,
+                   action=action, **{"from": before, "to": node.status}, reason=node.last_error_code if
+                   error is not None else "", name=node.name)
     if emit:
         _node_event(node, before=before, run=run)
 
@@ -541,9 +546,24 @@ def run_cancel(*, run_id: int, actor=None, reason: str = "", code: str = "cancel
     _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code=code)
     released = (pipeline.pipeline_keys_release(run, reason=f"cancelled: {reason}" if reason else "cancelled")
                 if run.gated else [])
-    _record_run_change(run, before=before, action="cancel", actor=actor, reason=reason,
-                       extra={"released_keys": released} if released else None)
+    voided = _approvals_void(run, reason=reason or "cancelled") if run.gated else 0
+    if run.status_reason.startswith("awaiting_approval:"):  # nothing waits for that approval any more
+        run.status_reason = ""
+    extra = {key: value for key, value in (("released_keys", released), ("voided_approvals", voided)) if value}
+    _record_run_change(run, before=before, action="cancel", actor=actor, reason=reason, extra=extra or None)
     return run
+
+
+def _approvals_void(run: Run, *, reason: str) -> int:
+    """Void the run's pending approval requests (its run ended): one transition line each."""
+    pending = list(ApprovalRequest.objects.filter(run=run, status=ApprovalRequest.Status.PENDING))
+    for request in pending:
+        request.status = ApprovalRequest.Status.VOIDED
+        request.save(update_fields=["status"])
+        transition_log(entity="approval", id=request.pk, project=run.project_id, run=run.pk,
+                       attempt=request.attempt_number, gate=request.gate,
+                       **{"from": ApprovalRequest.Status.PENDING, "to": request.status}, reason=reason)
+    return len(pending)
 
 
 VOIDED_PREFIX = "voided:"
@@ -555,8 +575,6 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     live agents, release every credit not charged, release the run's phase idempotency keys (a
     new run may claim them) and void its pending approval requests. Already voided: no-op.
     """
-    from runs.models import ApprovalRequest
-
     reason = (reason or "").strip()
     if not reason:
         raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
@@ -573,8 +591,7 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     if attempt is not None and not attempt.outcome:
         _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code="voided")
     released = pipeline.pipeline_keys_release(run, reason=f"voided: {reason}")
-    voided = ApprovalRequest.objects.filter(run=run, status=ApprovalRequest.Status.PENDING).update(
-        status=ApprovalRequest.Status.VOIDED)
+    voided = _approvals_void(run, reason=f"voided: {reason}")
     _record_run_change(run, before=before, action="void", actor=actor, reason=reason,
                        extra={"released_keys": released, "voided_approvals": voided})
     return run

@@ -1,4 +1,5 @@
-"""Structured logs: one JSON line per state transition, with the same keys for runs and jobs."""
+"""Structured logs: one JSON line per state transition, with the same keys for runs, jobs and the
+run's agents, tasks and steps, written when the transition commits."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import logging
 
 import pytest
+from django.db import transaction
 
 from core.logging import JsonFormatter, TextFormatter
 from jobs.services import job_cancel, job_enqueue
@@ -13,7 +15,7 @@ from runs import services as run_services
 from tests.conftest import make_plan
 from tests.drive import drain_jobs
 
-pytestmark = pytest.mark.django_db
+pytestmark = pytest.mark.django_db(transaction=True)  # lines are written on commit
 LOGGER = "orchestrator.transitions"
 REQUIRED = ("entity", "type", "project_id", "run_id", "attempt", "from", "to", "reason")
 
@@ -57,7 +59,6 @@ def test_a_cancelled_job_says_why(caplog, project):
     assert (last["job_id"], last["from"], last["to"], last["reason"]) == (job.pk, "queued", "cancelled", "cancelled")
 
 
-@pytest.mark.django_db(transaction=True)
 def test_runs_and_their_jobs_share_key_names(caplog, project, monkeypatch):
     monkeypatch.setattr("jobs.wake._send", lambda count: None)
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -75,6 +76,47 @@ def test_runs_and_their_jobs_share_key_names(caplog, project, monkeypatch):
     jobs = [line for line in lines if line["entity"] == "job"]
     assert jobs, "starting a run enqueues its first job"
     assert all(line["run_id"] == run.pk and line["project_id"] == project.pk for line in jobs)
+
+
+def test_every_agent_task_and_step_transition_of_a_run_is_a_line(caplog, project, monkeypatch):
+    monkeypatch.setattr("jobs.wake._send", lambda count: None)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = run_services.run_create(project=project, name="nodes", plan=make_plan(tasks=2, steps=2))
+    run_services.run_start(run_id=run.pk)
+    drain_jobs()
+    lines = transition_lines(caplog)
+    for entity, count in (("agent", 1), ("task", 2), ("step", 4)):
+        moves = [line for line in lines if line["entity"] == entity]
+        assert len({line[f"{entity}_id"] for line in moves}) == count, entity
+        for line in moves:
+            assert set(REQUIRED) <= set(line), line
+            assert (line["run_id"], line["project_id"], line["attempt"]) == (run.pk, project.pk, 1)
+        by_node = {}
+        for line in moves:
+            by_node.setdefault(line[f"{entity}_id"], []).append((line["from"], line["to"]))
+        assert all(path == [("pending", "running"), ("running", "completed")] for path in by_node.values()), by_node
+
+
+def test_a_failed_step_says_why(caplog, project, monkeypatch):
+    monkeypatch.setattr("jobs.wake._send", lambda count: None)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    run = run_services.run_create(project=project, name="fails", plan=make_plan(tool="fail", args={"mode": "fatal"}))
+    run_services.run_start(run_id=run.pk)
+    drain_jobs()
+    failed = [(line["entity"], line["reason"]) for line in transition_lines(caplog) if line["to"] == "failed"]
+    assert ("step", "drill_fatal") in failed and ("agent", "drill_fatal") in failed and ("run", "drill_fatal") in failed
+
+
+def test_a_transition_rolled_back_writes_no_line(caplog, project):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    job = job_enqueue(job_type="noop", project=project, payload={}).job
+    caplog.clear()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        job_cancel(job_id=job.pk, reason="changed my mind")
+        raise RuntimeError("the caller's transaction fails")
+    assert transition_lines(caplog) == []
+    job.refresh_from_db()
+    assert job.state == "queued"
 
 
 def test_the_configured_handler_writes_json_lines():

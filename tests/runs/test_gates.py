@@ -255,7 +255,10 @@ def test_plans_name_registered_checks_with_valid_arguments_and_unique_gates(file
 
 # --- pins and drift ------------------------------------------------------------------------------
 
-def test_a_pin_changed_between_gates_stops_the_run_until_acknowledged(project, files, operator):
+def test_a_pin_changed_between_gates_stops_the_run_until_acknowledged(project, files, operator, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="orchestrator.transitions")
     manifest, _ = files
     old = sha256(manifest)
     run = drive(start(project, small_plan(manifest)),
@@ -277,6 +280,9 @@ def test_a_pin_changed_between_gates_stops_the_run_until_acknowledged(project, f
     with pytest.raises(ValidationFailed):
         gates.drift_acknowledge(run_id=run.pk, actor=operator, reason=" ")
     gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="v4 of the manifest is the one we want")
+    logged = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("entity") == "drift"]
+    assert [(f["drift_id"], f["from"], f["to"], f["dimension"]) for f in logged] == [
+        (drift.pk, "open", "acknowledged", "manifest")]
     with pytest.raises(gates.DriftNotPending):
         gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="again")
     pins = list(ContextPin.objects.filter(run=run, dimension="manifest").order_by("id"))
@@ -550,3 +556,28 @@ def test_an_approval_reference_of_an_earlier_attempt_is_refused_and_a_new_one_ap
     assert (request.attempt_number, request.approval_ref) == (2, "KB-8")
     assert drive(run).status == Run.Status.COMPLETED
     assert invariants_check() == []
+
+
+def test_approvals_log_their_transitions_and_a_cancel_voids_a_pending_approval(
+        project, files, operator, caplog):
+    import json
+    import logging
+
+    from core.logging import JsonFormatter
+
+    caplog.set_level(logging.INFO, logger="orchestrator.transitions")
+    manifest, _ = files
+    plan = small_plan(manifest, middle={"name": "ask", "kind": "approval", "gate": "SG_go"})
+    approved = drive(start(project, plan))
+    gates.approval_grant(run_id=approved.pk, gate="SG_go", approval_ref="KB-log", actor=operator, reason="go")
+    drifted = drive(start(project, plan))
+    services.run_cancel(run_id=drifted.pk, actor=operator, reason="wrong manifest")
+    cancelled = Run.objects.get(pk=drifted.pk)
+    assert (cancelled.status, cancelled.status_reason) == (Run.Status.CANCELLED, "")
+    assert ApprovalRequest.objects.get(run=cancelled).status == ApprovalRequest.Status.VOIDED
+
+    lines = [json.loads(JsonFormatter().format(r)) for r in caplog.records if r.name == "orchestrator.transitions"]
+    approvals = [(line["run_id"], line["from"], line["to"], line["reason"]) for line in lines
+                 if line["entity"] == "approval"]
+    assert approvals == [(approved.pk, "pending", "approved", "go"), (drifted.pk, "pending", "voided", "wrong manifest")]
+    assert {line["entity"] for line in lines} >= {"run", "agent", "task", "step", "approval"}
