@@ -274,6 +274,10 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "core.api.exceptions.api_exception_handler",
     "PAGE_SIZE": 50,
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    # The per-address limit keys on the client's address: the connection's own (0), or the one
+    # the n-th trusted proxy in front of us put into X-Forwarded-For. Never a header the client
+    # alone controls.
+    "NUM_PROXIES": env_int("ORCHESTRATOR_TRUSTED_PROXIES", 0),
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Orchestrator Console API",

@@ -84,6 +84,28 @@ def test_failed_authentication_counts_per_address(db, settings, clock):
     assert_error(APIClient(REMOTE_ADDR="198.51.100.7").get("/api/v1/runs/"), 401, "not_authenticated")
 
 
+def test_a_forged_forwarded_for_header_does_not_escape_the_address_limit(db, settings, clock):
+    settings.ORCHESTRATOR_API_ANON_RATE = "2/minute"
+    for n in range(2):
+        client = APIClient(REMOTE_ADDR="203.0.113.9", HTTP_X_FORWARDED_FOR=f"10.0.0.{n}")
+        assert_error(client.get("/api/v1/runs/"), 401, "not_authenticated")
+    forged = APIClient(REMOTE_ADDR="203.0.113.9", HTTP_X_FORWARDED_FOR="10.9.9.9")
+    assert_error(forged.get("/api/v1/runs/"), 429, "rate_limited")
+
+
+def test_behind_a_trusted_proxy_the_address_it_forwarded_counts(db, settings, clock):
+    settings.ORCHESTRATOR_API_ANON_RATE = "1/minute"
+    settings.REST_FRAMEWORK = {**settings.REST_FRAMEWORK, "NUM_PROXIES": 1}
+    proxy = "192.0.2.1"
+    first = APIClient(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="10.9.9.9, 198.51.100.7")
+    assert_error(first.get("/api/v1/runs/"), 401, "not_authenticated")
+    # a client's own prefix does not change the address the proxy saw
+    again = APIClient(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="10.1.1.1, 198.51.100.7")
+    assert_error(again.get("/api/v1/runs/"), 429, "rate_limited")
+    other = APIClient(REMOTE_ADDR=proxy, HTTP_X_FORWARDED_FOR="198.51.100.8")
+    assert_error(other.get("/api/v1/runs/"), 401, "not_authenticated")
+
+
 def test_no_rate_means_no_counting(tenant, settings):
     settings.ORCHESTRATOR_API_RATE = ""
     for _ in range(5):
