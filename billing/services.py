@@ -26,11 +26,16 @@ class LedgerResult:
     created: bool
 
 
+MAX_AMOUNT = 10**15  # credits in one ledger entry (the API's limit too); balances stay far from 64 bits
+
+
 def _validate_amount(amount) -> int:
     if isinstance(amount, bool) or not isinstance(amount, int):
         raise ValidationFailed("amount must be a whole number of credits", errors={"amount": ["must be an integer"]})
     if amount <= 0:
         raise ValidationFailed("amount must be positive", errors={"amount": ["must be greater than zero"]})
+    if amount > MAX_AMOUNT:
+        raise ValidationFailed("amount is too large", errors={"amount": [f"at most {MAX_AMOUNT:,} credits"]})
     return amount
 
 

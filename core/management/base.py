@@ -20,7 +20,8 @@ from django.core.management.base import BaseCommand, CommandError
 from core.errors import DomainError
 from core.runbooks import DONE, PLANNED, REFUSED, SKIPPED, Runbook, describe_error, runbook_execute
 
-__all__ = ["RunbookCommand", "RunbookActionCommand", "ShellActor", "describe_error", "progress_bar"]
+__all__ = ["RunbookCommand", "RunbookActionCommand", "ShellActor", "describe_error", "positive_id", "progress_bar",
+           "whole_number"]
 
 
 class ShellActor:
@@ -84,14 +85,33 @@ class RunbookCommand(BaseCommand):
         return cls.resolve_actor(username) or ShellActor()
 
 
+MAX_ID = 2**63 - 1  # the largest id a row can have (a 64-bit primary key)
+
+
 def positive_id(value: str) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
         number = 0
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an id (a whole number greater than zero)")
+    if number <= 0 or number > MAX_ID:
+        raise argparse.ArgumentTypeError(f"{value!r} is not an id (a whole number from 1 to {MAX_ID})")
     return number
+
+
+def whole_number(low: int, high: int):
+    """An argparse type: a whole number from ``low`` to ``high`` (a clear error otherwise)."""
+
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+        if not low <= number <= high:
+            raise argparse.ArgumentTypeError(f"{value!r} is out of range: give {low} to {high:,}")
+        return number
+
+    parse.__name__ = "whole number"
+    return parse
 
 
 class RunbookActionCommand(RunbookCommand):
@@ -131,10 +151,20 @@ class RunbookActionCommand(RunbookCommand):
         if not reason:
             raise CommandError("--reason must not be empty: say why, it is recorded in the audit trail")
         actor = self.resolve_operator(options["as_user"])
+        self.check_permission(actor)
         runbook_options = self.runbook_options(options)
         targets = self.targets(options)
         self.report(self.apply(targets, actor=actor, reason=reason, runbook_options=runbook_options,
                                dry_run=options["dry_run"]), options)
+
+    def check_permission(self, actor) -> None:
+        """A named ``--as`` user needs the runbook's permission, as in the admin (the shell user,
+        audited by label, is trusted with the shell)."""
+        if getattr(actor, "pk", None) is None or actor.has_perm(self.runbook.permission):
+            return
+        why = "is inactive" if not actor.is_active else f"lacks the permission {self.runbook.permission!r}"
+        raise CommandError(f"user {actor.get_username()!r} {why}: cannot {self.runbook.title.lower()} "
+                           f"(the Operators group has it)")
 
     def apply(self, targets: list, *, actor, reason: str, runbook_options: dict, dry_run: bool) -> list:
         verb = "planning" if dry_run else self.runbook.title.lower()

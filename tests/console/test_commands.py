@@ -21,6 +21,15 @@ from runs.models import EscalationTicket, Run
 pytestmark = pytest.mark.django_db
 
 
+@pytest.fixture
+def operator(operator):
+    """The shared ``op`` user, in the Operators group: a named ``--as`` user needs the runbook's permission."""
+    from django.contrib.auth.models import Group
+
+    operator.groups.add(Group.objects.get(name="Operators"))
+    return operator
+
+
 def run_command(name: str, *args: str) -> str:
     out = StringIO()
     call_command(name, *args, stdout=out, stderr=StringIO())
@@ -163,7 +172,7 @@ def test_recover_stuck_runs(run_in):
     assert AuditRecord.objects.get(run_id=running.pk, action="run_force_fail").reason == "worker died"
     assert run_command("recover_stuck_runs", "--reason", "again", "--older-than", "0").strip() == "nothing to do"
     for bad, message in ((["--older-than", "5 weeks"], "give a duration such as 90, 90s, 5m, 2h or 1d"),
-                         (["--limit", "0"], "--limit must be greater than zero"),
+                         (["--limit", "0"], "'0' is out of range: give 1 to 1,000,000"),
                          ([], "the following arguments are required: --reason")):
         with pytest.raises(CommandError, match=message):
             run_command("recover_stuck_runs", *(["--reason", "x"] if bad else []), *bad)
@@ -208,5 +217,5 @@ def test_queue_status_table_and_json(job_in, monkeypatch):
     assert [job["id"] for job in data["executing_jobs"]] == [executing.pk]
     assert data["executing_jobs"][0]["age_s"] >= 0 and data["executing_jobs"][0]["worker"] == "console-test"
     assert len(data["workers"]) == 1 and data["workers"][0]["alive"] is True
-    with pytest.raises(CommandError, match="--limit must be greater than zero"):
+    with pytest.raises(CommandError, match="'0' is out of range: give 1 to 100,000"):
         run_command("queue_status", "--limit", "0")

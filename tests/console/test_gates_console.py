@@ -25,6 +25,15 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
+def operator(operator):
+    """The shared ``op`` user, in the Operators group: a named ``--as`` user needs the runbook's permission."""
+    from django.contrib.auth.models import Group
+
+    operator.groups.add(Group.objects.get(name="Operators"))
+    return operator
+
+
+@pytest.fixture
 def manifest(tmp_path, settings):
     settings.ORCHESTRATOR_PIPELINE_FILE_ROOTS = [str(tmp_path)]
     path = tmp_path / "manifest.txt"

@@ -84,7 +84,7 @@ def test_create_organization_refuses_a_duplicate_name_with_a_clear_message():
 
 @pytest.mark.django_db
 @pytest.mark.parametrize(("args", "message"), [
-    (["Neg", "--owner", "dave", "--credits=-5"], "credits: must be a whole number, zero or more"),
+    (["Neg", "--owner", "dave", "--credits=-5"], "--credits: '-5' is out of range"),
     (["  ", "--owner", "dave"], "name: must not be empty"),
     (["Blank", "--owner", " "], "owner: must not be empty"),
     (["NoOwner"], "the following arguments are required: --owner"),

@@ -2,8 +2,8 @@
 
 import json
 
-from billing.services import organization_create
-from core.management.base import RunbookCommand
+from billing.services import MAX_AMOUNT, organization_create
+from core.management.base import RunbookCommand, whole_number
 
 
 class Command(RunbookCommand):
@@ -13,7 +13,8 @@ class Command(RunbookCommand):
     def add_arguments(self, parser):
         parser.add_argument("name")
         parser.add_argument("--owner", required=True, help="username of the owner (created if missing)")
-        parser.add_argument("--credits", type=int, default=0, help="initial credits (a topup entry)")
+        parser.add_argument("--credits", type=whole_number(0, MAX_AMOUNT), default=0,
+                            help="initial credits (a topup entry)")
         parser.add_argument("--staff", action="store_true", help="let the owner use the admin")
 
     def handle(self, *args, **options):

@@ -5,10 +5,23 @@ from __future__ import annotations
 import io
 import json
 
-from django.core.management.base import CommandError
+import argparse
+import math
 
-from core.management.base import RunbookCommand, progress_bar
+from core.management.base import RunbookCommand, progress_bar, whole_number
 from core.retention import STEP_NAMES, retention_prune
+
+MAX_SECONDS = 7 * 86400
+
+
+def seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds") from None
+    if not math.isfinite(number) or not 0 < number <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{value!r} is out of range: give more than 0 and at most {MAX_SECONDS}")
+    return number
 
 
 class Command(RunbookCommand):
@@ -20,17 +33,13 @@ class Command(RunbookCommand):
         parser.add_argument("--dry-run", action="store_true", help="count what would be deleted; delete nothing")
         parser.add_argument("--only", nargs="+", choices=STEP_NAMES, metavar="STEP",
                             help=f"run only these steps ({', '.join(STEP_NAMES)})")
-        parser.add_argument("--batch", type=int, default=None,
+        parser.add_argument("--batch", type=whole_number(1, 1_000_000), default=None,
                             help="rows per delete transaction (default ORCHESTRATOR_RETENTION_BATCH)")
-        parser.add_argument("--max-seconds", type=float, default=None,
+        parser.add_argument("--max-seconds", type=seconds, default=None,
                             help="stop after this long (the rest is left for the next prune); default: no limit")
         parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     def handle(self, *args, **options):
-        if options["batch"] is not None and options["batch"] <= 0:
-            raise CommandError("--batch must be greater than zero")
-        if options["max_seconds"] is not None and options["max_seconds"] <= 0:
-            raise CommandError("--max-seconds must be greater than zero")
         bars = []  # one progress bar at a time: the previous step's closes when the next starts
 
         def close_bar():

@@ -3,8 +3,9 @@
 import io
 import json
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 
+from core.management.base import whole_number
 from jobs.selectors import queue_status
 
 
@@ -17,11 +18,10 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--json", action="store_true", help="print the snapshot as JSON")
-        parser.add_argument("--limit", type=int, default=50, help="rows of executing jobs and workers (default 50)")
+        parser.add_argument("--limit", type=whole_number(1, 100_000), default=50,
+                            help="rows of executing jobs and workers (default 50)")
 
     def handle(self, *args, **options):
-        if options["limit"] <= 0:
-            raise CommandError("--limit must be greater than zero")
         status = queue_status(limit=options["limit"])
         if options["json"]:
             self.stdout.write(json.dumps(status))
