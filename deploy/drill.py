@@ -529,9 +529,10 @@ def main(argv: list[str] | None = None) -> int:
         spacing = max(0.2, load_seconds * 0.3 / max(kills, 1))
         log(f"(a) killing {kills} busy workers with kill -9")
         killed, notes = kill_busy_workers(deployment, kills, spacing)
-        actions.append(Row("kill -9 a worker executing a job", str(sum(killed.values())),
+        actions.append(Row("kill -9 a worker executing a job", f"{sum(killed.values())}/{kills}",
                            "jobs interrupted: " + (", ".join(f"{t} {n}" for t, n in sorted(killed.items())) or "none")
-                           + ("; " + "; ".join(notes) if notes else "")))
+                           + ("; " + "; ".join(notes) if notes else ""),
+                           held=sum(killed.values()) == kills))  # fewer kills than asked: the drill fell short
 
         # (b) restart PostgreSQL.
         log(f"(b) restarting PostgreSQL {pg_cluster}")
@@ -549,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         log("(c) SIGTERM to qcluster 1, then starting it again")
         code, stopped_in = deployment.restart_cluster(0)
         actions.append(Row("SIGTERM qcluster 1, start it again", "1",
-                           f"stopped in {stopped_in:.1f}s (exit code {code}); started again"))
+                           f"stopped in {stopped_in:.1f}s (exit code {code}); started again",
+                           held=code == 0))  # a clean stop: drained and exited 0 within its budget
         time.sleep(3)
 
         # (d) drop every client's socket at once.
@@ -585,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(check_processes(deployment))
         print_table("What the drill did", actions)
         print_table("What held", checks)
-        held = all(row.held for row in checks)
+        held = all(row.held for row in checks) and all(row.held for row in actions if row.held is not None)
         print(("every check held" if held else "SOME CHECKS DID NOT HOLD") + f"; process logs in {log_dir}", flush=True)
         return 0 if held else 1
     except (StackError, TimeoutError) as exc:
