@@ -56,14 +56,6 @@ class RunAttemptInline(ReadOnlyInline):
     readonly_fields = fields
 
 
-class LedgerEntryInline(ReadOnlyInline):
-    model = LedgerEntry
-    verbose_name_plural = "ledger entries"
-    fields = ("created_at", "attempt_number", "kind", "source", "amount", "balance_after", "reserved_after",
-              "actor_label", "reason", "idempotency_key")
-    readonly_fields = fields
-
-
 class EscalationInline(ReadOnlyInline):
     model = EscalationTicket
     fields = ("trigger", "status", "severity", "detail", "created_at", "acknowledged_by", "acknowledged_at",
@@ -187,7 +179,7 @@ class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin,
     list_select_related = ("project", "project__organization")
     search_fields = ("name", "=id", "last_error_code", "project__name", "organization__name")
     show_full_result_count = False
-    inlines = [RunAttemptInline, LedgerEntryInline, EscalationInline, ApprovalRequestInline]
+    inlines = [RunAttemptInline, EscalationInline, ApprovalRequestInline]
     fieldsets = [
         (None, {"fields": ("name", "organization", "project", "live_status_scoped", "status_reason", "priority",
                            "failure_mode", "max_agents", "attempt_number", "max_attempts", "created_by")}),
@@ -198,6 +190,7 @@ class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin,
         ("Agents → tasks → steps", {"fields": ("hierarchy",)}),
         ("Gated pipeline", {"fields": ("pipeline_record",)}),
         ("Queued jobs: why is this waiting?", {"fields": ("waiting_jobs",)}),
+        ("Ledger", {"fields": ("ledger_entries",)}),
         ("Timeline", {"fields": ("recent_events", "audit_trail")}),
         ("Plan", {"fields": ("plan",), "classes": ("collapse",)}),
     ]
@@ -206,7 +199,7 @@ class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin,
                        "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "last_error",
                        "heartbeat", "created_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
                        "duration_ms", "replan_count", "deleted_at", "hierarchy", "recent_events", "audit_trail", "plan",
-                       "waiting_jobs", "pipeline_record")
+                       "waiting_jobs", "pipeline_record", "ledger_entries")
     actions = ["start", "force_fail", "cancel", "pause", "resume", "retry", "refund", "escalate", "approve_gate", "recover",
                "acknowledge_drift", "void"]
     runbooks = {runbook.name: runbook for runbook in (
@@ -335,6 +328,28 @@ class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin,
         return format_html('<table class="run-timeline"><thead><tr><th>#</th><th>at</th><th>event</th><th>detail</th>'
                            '</tr></thead><tbody>{}</tbody></table><p><a href="{}">all events of this run</a></p>',
                            rows, url)
+
+    @admin.display(description="ledger entries")
+    def ledger_entries(self, run):
+        """The run's latest ledger entries (a run of thousands of steps has thousands of charges:
+        the page shows the newest and links to all of them)."""
+        entries = list(LedgerEntry.objects.filter(run_id=run.pk).order_by("-id")[:TIMELINE_LIMIT + 1])
+        if not entries:
+            return "no ledger entries"
+        more = len(entries) > TIMELINE_LIMIT
+        entries = entries[:TIMELINE_LIMIT]
+        url = reverse("admin:billing_ledgerentry_changelist") + f"?run__id__exact={run.pk}"
+        rows = format_html_join(
+            "", "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td>"
+                "<td>{}</td><td>{}</td></tr>",
+            ((entry.created_at.strftime("%Y-%m-%d %H:%M:%S"), entry.attempt_number, entry.kind, entry.source,
+              entry.amount, entry.balance_after, entry.reserved_after, entry.actor_label, entry.reason,
+              entry.idempotency_key) for entry in entries))
+        note = f"the latest {TIMELINE_LIMIT}; " if more else ""
+        return format_html('<table class="run-ledger"><thead><tr><th>at</th><th>attempt</th><th>kind</th>'
+                           '<th>source</th><th>amount</th><th>balance after</th><th>reserved after</th><th>who</th>'
+                           '<th>why</th><th>idempotency key</th></tr></thead><tbody>{}</tbody></table>'
+                           '<p>{}<a href="{}">all ledger entries of this run</a></p>', rows, note, url)
 
     @admin.display(description="audit trail")
     def audit_trail(self, run):

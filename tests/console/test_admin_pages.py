@@ -84,6 +84,7 @@ def test_run_page_shows_the_tree_timeline_audit_and_inlines_in_fixed_queries(vie
         assert response.status_code == 200
         return response, len(queries)
 
+    page(small)  # warm the per-process caches (content types for the inlines' change links)
     response, small_queries = page(small)
     html = response.content.decode()
     for text in ("agent a0", "task t0", "step s0", "[completed]", "step s1", "Attempt 1 (current)",
@@ -105,3 +106,27 @@ def test_the_history_of_a_run_shows_runbook_log_entries(login, make_staff, run_i
     entry = LogEntry.objects.get(object_id=str(run.pk))
     history = client.get(reverse("admin:runs_run_history", args=[run.pk]))
     assert history.status_code == 200 and entry.change_message in history.content.decode()
+
+
+def test_a_run_of_many_charges_shows_its_latest_ledger_entries_and_links_to_all(viewer_client, project):
+    from billing.models import LedgerEntry
+    from runs.models import Step
+
+    run = services.run_create(project=project, name="many charges", plan=make_plan(steps=60))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    for step in Step.objects.filter(run=run).order_by("sequence")[:55]:
+        services.step_attempt_succeed(attempt_id=services.step_begin(step_id=step.pk).pk, output={"ok": True})
+    total = LedgerEntry.objects.filter(run=run).count()
+    assert total > 50
+
+    with CaptureQueriesContext(connection) as queries:
+        html = viewer_client.get(reverse("admin:runs_run_change", args=[run.pk])).content.decode()
+    assert html.count("<tr>", html.index('class="run-ledger"'), html.index("all ledger entries of this run")) == 51
+    assert "the latest 50; " in html and "attempt:1:reserve" not in html  # the oldest entry is on the full list
+    assert len(queries) < 40
+    other = build_run(project, "completed", name="elsewhere")
+    listing = viewer_client.get(reverse("admin:billing_ledgerentry_changelist"), {"run__id__exact": run.pk})
+    assert listing.status_code == 200
+    assert {entry.run_id for entry in listing.context["cl"].result_list} == {run.pk}
+    assert listing.context["cl"].result_count == total and other.pk != run.pk
