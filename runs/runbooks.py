@@ -21,7 +21,7 @@ from runs.models import SETTLED_RUN_STATES, ApprovalRequest, EscalationTicket, P
 from runs.selectors import run_held_credits, run_open_escalation, runs_heartbeat_stale
 
 FORCE_FAIL_CODE = "force_failed"
-HEARTBEAT_TIMEOUT_CODE = "heartbeat_timeout"
+HEARTBEAT_TIMEOUT_CODE = services.HEARTBEAT_TIMEOUT_CODE
 
 
 def _ended(run: Run) -> str:
@@ -379,11 +379,10 @@ def _recover_plan(run: Run, options: dict) -> Plan:
 
 def _recover(run: Run, *, actor, reason: str, options: dict) -> str:
     before, refunded = run.status, run.credits_refunded
-    age = _heartbeat_age_s(run)
-    run = services.run_fail(run_id=run.pk, code=HEARTBEAT_TIMEOUT_CODE,
-                            message=f"no worker heartbeat for {age if age is not None else '?'} s; "
-                                    f"recovered by {actor_label(actor)}",
-                            actor=actor, reason=reason)
+    try:
+        run = services.run_recover(run_id=run.pk, older_than_s=_older_than(options), actor=actor, reason=reason)
+    except services.RunNotStuck as exc:
+        raise Skip(f"not stuck any more: {exc.detail.split(': ', 1)[-1]}") from exc
     if before == run.status:
         raise Skip(f"already {run.status}")
     return f"{before} → {run.status} ({HEARTBEAT_TIMEOUT_CODE}); {_released_since(run, refunded)}"

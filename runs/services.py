@@ -29,7 +29,7 @@ from billing.services import ledger_charge, ledger_refund, ledger_reserve
 from billing.selectors import account_balance
 from core.errors import CreditLimitExceeded, InsufficientCredits, InvalidTransition, NotFound, ValidationFailed
 from core.models import Project
-from core.services import audit_record, event_record, transition_log
+from core.services import actor_label, audit_record, event_record, transition_log
 from runs import pipeline
 from runs.models import (
     DONE_NODE_STATES,
@@ -474,6 +474,39 @@ def run_fail(*, run_id: int, code: str, message: str, actor=None, reason: str = 
         return run
     return _fail_locked(run, code=code, message=message or code, actor=actor, reason=reason,
                         action="force_fail" if actor is not None else "fail")
+
+
+HEARTBEAT_TIMEOUT_CODE = "heartbeat_timeout"
+
+
+class RunNotStuck(InvalidTransition):
+    """The run is running and its worker is alive (or its work waits in the queue): nothing to recover."""
+
+    code = "run_not_stuck"
+
+
+@transaction.atomic
+def run_recover(*, run_id: int, older_than_s: int, actor=None, reason: str = "") -> Run:
+    """Seed 001 §9.1's recovery: a running run whose worker has been silent for ``older_than_s``
+    (and whose work is not simply waiting in the queue) → failed with ``heartbeat_timeout``: live
+    agents terminated, the unused reservation refunded. Judged under the run's row lock, so a
+    heartbeat that arrived since the operator looked saves the run (``RunNotStuck``). Already
+    failed: no-op."""
+    from runs.selectors import runs_heartbeat_stale
+
+    run = _lock_run(run_id)
+    if run.status == Run.Status.FAILED:
+        return run
+    if run.status != Run.Status.RUNNING:
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="recover",
+                                why="only a running run can be stuck")
+    if not runs_heartbeat_stale(older_than_s=older_than_s).filter(pk=run.pk).exists():
+        raise RunNotStuck(entity="run", entity_id=run.pk, current=run.status, requested="recover",
+                          why=f"its worker was heard from in the last {older_than_s} s, or its work waits in the queue")
+    seen = run.last_heartbeat or run.started_at
+    silent = f"{int((timezone.now() - seen).total_seconds())} s" if seen else "ever"
+    return _fail_locked(run, code=HEARTBEAT_TIMEOUT_CODE, message=f"no worker heartbeat for {silent}; recovered by "
+                        f"{actor_label(actor)}", actor=actor, reason=reason, action="recover")
 
 
 @transaction.atomic

@@ -49,7 +49,7 @@ RUN_CASES = {
     "approve_gate": Case("runs.approve_gate", "awaiting_approval", "resuming", "approve_gate",
                          fields={"gate": "publish", "approval_ref": "CHG-1"}, repeat="already approved"),
     "void": Case("runs.void_run", "paused", "cancelled", "run_void", repeat="already voided"),
-    "recover": Case("runs.recover_run", "running", "failed", "run_force_fail", fields={"older_than_s": "0"},
+    "recover": Case("runs.recover_run", "running", "failed", "run_recover", fields={"older_than_s": "0"},
                     repeat="not running (failed)"),
 }
 
@@ -235,6 +235,29 @@ def test_recover_fails_only_silent_running_runs_and_refunds(make_staff, login, r
     assert (running.status, running.last_error_code) == ("failed", "heartbeat_timeout")
     assert running.credits_refunded == held and not running.agents.filter(status__in=["running", "pending"]).exists()
     assert invariants_check() == []
+
+
+def test_a_heartbeat_arriving_after_the_confirmation_page_saves_the_run(run_in, operator):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from core.runbooks import runbook_execute, runbook_plan
+    from runs import runbooks, services
+
+    running = run_in("running")
+    Run.objects.filter(pk=running.pk).update(last_heartbeat=timezone.now() - timedelta(minutes=5))
+    plan = runbook_plan(runbooks.RUN_RECOVER, Run.objects.get(pk=running.pk), {"older_than_s": 60})
+    assert not plan.skip and not plan.refusal  # what the operator confirms: stuck for 5 minutes
+    assert services.run_heartbeat(run_id=running.pk)  # the worker comes back meanwhile
+    [outcome] = runbook_execute(runbooks.RUN_RECOVER, [running], actor=operator, reason="worker died",
+                                options={"older_than_s": 60})
+    assert (outcome.result, outcome.detail.startswith("not stuck")) == ("skipped", True), outcome
+    with pytest.raises(services.RunNotStuck) as refused:
+        services.run_recover(run_id=running.pk, older_than_s=60, actor=operator, reason="worker died")
+    assert refused.value.code == "run_not_stuck"
+    assert Run.objects.get(pk=running.pk).status == "running"
+    assert not AuditRecord.objects.filter(action="run_recover").exists()
 
 
 def test_the_run_page_offers_buttons_for_what_applies(make_staff, login, run_in):

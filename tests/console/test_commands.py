@@ -169,7 +169,7 @@ def test_recover_stuck_runs(run_in):
                                                                                          held)
     assert not recovered.agents.filter(status__in=["pending", "running", "paused"]).exists()
     assert {Run.objects.get(pk=paused.pk).status, Run.objects.get(pk=pending.pk).status} == {"paused", "pending"}
-    assert AuditRecord.objects.get(run_id=running.pk, action="run_force_fail").reason == "worker died"
+    assert AuditRecord.objects.get(run_id=running.pk, action="run_recover").reason == "worker died"
     assert run_command("recover_stuck_runs", "--reason", "again", "--older-than", "0").strip() == "nothing to do"
     for bad, message in ((["--older-than", "5 weeks"], "give a duration such as 90, 90s, 5m, 2h or 1d"),
                          (["--limit", "0"], "'0' is out of range: give 1 to 1,000,000"),
