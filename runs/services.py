@@ -32,6 +32,7 @@ from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from runs import pipeline
 from runs.models import (
+    SETTLED_RUN_STATES,
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
     MAX_RETRIES_PER_LEVEL,
@@ -101,6 +102,9 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     now = timezone.now()
     if before["status"] != run.status:
         run.status_changed_at = now
+        if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
+            Artifact.objects.filter(run=run, expires_at__isnull=True).update(
+                expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
     run.save()
     pipeline.pipeline_clock(run, before_status=before["status"])
     payload = {
@@ -428,8 +432,6 @@ def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
     run.duration_ms = _duration_ms(run, now)
     run.status_reason = ""
     _close_attempt(run, attempt, outcome=Run.Status.COMPLETED)
-    Artifact.objects.filter(run=run, expires_at__isnull=True).update(
-        expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
     _record_run_change(run, before=before, action="complete", actor=actor, reason=reason)
     return run
 

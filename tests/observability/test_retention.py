@@ -301,3 +301,29 @@ def test_set_retention_refuses_bad_input(project, args, message):
                      stdout=StringIO(), stderr=StringIO())
     project.refresh_from_db()
     assert project.retention_days is None
+
+
+@pytest.mark.parametrize("end", ["complete", "fail", "cancel"])
+def test_artifacts_start_to_expire_when_their_run_ends_however_it_ends(artifact_storage, project, settings, end):
+    from runs import services
+    from tests.conftest import make_plan
+
+    settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS = 7
+    run = services.run_create(project=project, name="ends", plan=make_plan())
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    artifact = make_artifact(artifact_storage, run, "report.txt", expires_in=None)
+    if end == "complete":
+        from runs.models import Step
+
+        step = Step.objects.get(run=run)
+        services.step_attempt_succeed(attempt_id=services.step_begin(step_id=step.pk).pk, output={"ok": True})
+    elif end == "fail":
+        services.run_fail(run_id=run.pk, code="worker_lost", message="gone")
+    else:
+        services.run_cancel(run_id=run.pk, reason="not needed")
+    run.refresh_from_db()
+    assert run.status in ("completed", "failed", "cancelled")
+    artifact.refresh_from_db()
+    assert artifact.expires_at is not None
+    assert timedelta(days=6, hours=23) < artifact.expires_at - timezone.now() <= timedelta(days=7)
