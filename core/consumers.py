@@ -144,7 +144,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if target is None:
             return await self._error("bad_message", "subscribe to a run, project, organization or all")
         scope, object_id = target
-        if len(self.subscriber.groups) >= settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS:
+        again = ("all" if scope == "all" else f"{scope}.{object_id}") in self.subscriber.groups
+        if not again and len(self.subscriber.groups) >= settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS:
             return await self._error("too_many_subscriptions",
                                      f"at most {settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS} per connection")
         after = content.get("after")

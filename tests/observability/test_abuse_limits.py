@@ -253,6 +253,8 @@ def test_a_socket_may_hold_only_so_many_subscriptions(tenant, settings):
         await communicator.send_json_to({"action": "subscribe", "run": runs[2]})
         refused = await communicator.receive_json_from(timeout=5)
         assert (refused["type"], refused["code"]) == ("error", "too_many_subscriptions")
+        await communicator.send_json_to({"action": "subscribe", "run": runs[1]})  # one it holds again, at the cap
+        assert (await communicator.receive_json_from(timeout=5))["type"] == "subscribed"
         await communicator.send_json_to({"action": "unsubscribe", "run": runs[0]})
         assert (await communicator.receive_json_from(timeout=5))["type"] == "unsubscribed"
         await communicator.send_json_to({"action": "subscribe", "run": runs[2]})
