@@ -147,14 +147,14 @@ def test_two_clusters_share_the_jobs_and_both_daphnes_stream_every_event(org_fac
 
     def cluster_of(worker: str) -> int:
         pid = int(worker.rsplit(":", 1)[1])
-        return next(index for index, pids in workers.items() if pid in pids)
+        return next((index for index, pids in workers.items() if pid in pids), None)  # None: a worker we never saw
 
     # Jobs spread over both clusters, each executed exactly once.
     executions = list(Event.objects.filter(type="job_probe_executed").values_list("payload__jobId", "payload__worker"))
     assert Counter(job_id for job_id, _ in executions) == Counter(probes)
     assert Job.objects.filter(pk__in=probes, state=JobState.COMPLETED).count() == len(probes)
     by_cluster = Counter(cluster_of(worker) for _, worker in executions)
-    assert set(by_cluster) == {0, 1}, by_cluster
+    assert set(by_cluster) == {0, 1}, by_cluster  # every executing worker was one of the two clusters
     started = Counter(Event.objects.filter(type="orchestrator_job_started").values_list("payload__jobId", flat=True))
     assert set(started.values()) == {1}  # no job was claimed twice
     run_jobs = Job.objects.filter(run_id__in=runs)
