@@ -17,6 +17,8 @@ from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
 from core.api.schema import ERROR_CODES, errors
+from core.errors import PermissionRefused
+from core.models import Membership
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
@@ -161,6 +163,8 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         serializer = ResumeSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
+        if data["approval_ref"]:  # resuming with a reference approves the gate the run waits for
+            _require_authority(request, self.get_object(), "runs.approve_gate", "approving a gate")
         result = gates.pipeline_resume(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
                                        gate=data["gate"] or None, approval_ref=data["approval_ref"] or None)
         if result.outcome == "stopped_drift":
@@ -179,6 +183,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         serializer = AcknowledgeDriftSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
+        _require_authority(request, self.get_object(), "runs.acknowledge_drift", "acknowledging drift")
         gates.drift_acknowledge(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
                                 dimension=data["dimension"] or None)
         return self._detail(Run.objects.get(pk=self.get_object().pk))
@@ -216,6 +221,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         serializer = ApproveSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         run = self.get_object()
+        _require_authority(request, run, "runs.approve_gate", "approving a gate")
         data = serializer.validated_data
         gates.approval_grant(run_id=run.pk, gate=data["gate"], approval_ref=data["approval_ref"], actor=request.user,
                              reason=data["reason"])
@@ -230,6 +236,17 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         run = self.get_object()
         return Response(event_page(request, events_visible(request).filter(run_id=run.pk),
                                    **query.validated_data))
+
+
+def _require_authority(request, run: Run, permission: str, what: str) -> None:
+    """A sovereign decision (approve a gate, accept drift) is not any member's: it needs the run's
+    organization's owner role, or ``permission`` (the console's Operators have it)."""
+    user = request.user
+    if user.has_perm(permission) or Membership.objects.filter(
+            user=user, organization_id=run.organization_id, role=Membership.Role.OWNER).exists():
+        return
+    raise PermissionRefused(f"{what} needs the organization's owner role or the {permission!r} permission",
+                            permission=permission)
 
 
 class EscalationFilter(filters.FilterSet):

@@ -177,3 +177,36 @@ def test_another_organizations_run_is_not_found_on_every_gate_endpoint(tenant, t
     for path, data in (("resume/", {}), ("acknowledge-drift/", {"reason": "x"}), ("void/", {"reason": "x"})):
         assert_error(stranger.client.post(f"/api/v1/runs/{run_id}/{path}", data, format="json"), 404, "not_found")
     assert_error(stranger.client.get(f"/api/v1/runs/{run_id}/sidecar/"), 404, "not_found")
+
+
+def test_a_member_may_watch_a_gated_run_but_only_an_owner_or_an_operator_approves(tenant, files, django_user_model):
+    from django.contrib.auth.models import Permission
+    from rest_framework.authtoken.models import Token
+
+    from core.models import Membership
+    from tests.api.conftest import token_client
+
+    manifest, _ = files
+    run_id = create_and_start(tenant, small_plan(manifest, middle={"name": "ask", "kind": "approval",
+                                                                   "gate": "SG_one"}))
+    drive_until(run_id, reason_is("awaiting_approval:SG_one"))
+    url = f"/api/v1/runs/{run_id}"
+    member = django_user_model.objects.create_user(username="a-program")
+    Membership.objects.create(organization=tenant.organization, user=member, role=Membership.Role.MEMBER)
+    program = token_client(Token.objects.create(user=member).key)
+
+    assert program.get(f"{url}/").status_code == 200
+    approval = {"gate": "SG_one", "approval_ref": "KB-M1", "reason": "mine"}
+    body = assert_error(program.post(f"{url}/approve/", approval, format="json"), 403, "permission_denied")
+    assert body["permission"] == "runs.approve_gate"
+    assert_error(program.post(f"{url}/resume/", approval, format="json"), 403, "permission_denied")
+    assert_error(program.post(f"{url}/acknowledge-drift/", {"reason": "fine"}, format="json"), 403,
+                 "permission_denied")
+    assert program.post(f"{url}/resume/", {"reason": "go"}, format="json").status_code == 409  # approval_required
+    assert Run.objects.get(pk=run_id).status_reason == "awaiting_approval:SG_one"
+
+    member.user_permissions.add(Permission.objects.get(content_type__app_label="runs", codename="approve_gate"))
+    program = token_client(Token.objects.get(user=member).key)
+    assert program.post(f"{url}/approve/", approval, format="json").status_code == 200
+    drive_until(run_id, settled)
+    assert Run.objects.get(pk=run_id).status == Run.Status.COMPLETED
