@@ -260,6 +260,9 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
     if not reason:
         raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
     run = services._lock_run(run_id)
+    if run.status != Run.Status.PAUSED:  # an ended run's drift is history: nothing waits for it
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="acknowledge drift",
+                                why="only a paused run's drift can be accepted")
     drifts = drift_open(run).order_by("id")
     if dimension:
         drifts = drifts.filter(dimension=dimension)

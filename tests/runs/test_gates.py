@@ -473,6 +473,20 @@ def test_void_cancels_a_stopped_run_releases_its_keys_and_refunds(project, files
     assert invariants_check() == []
 
 
+def test_the_drift_of_a_voided_run_cannot_be_accepted_any_more(project, files, operator):
+    manifest, _ = files
+    run = drive(start(project, small_plan(manifest)),
+                until=lambda r: GateReceipt.objects.filter(run=r, gate="IG_one").exists())
+    manifest.write_text("doc ICX-LAW-2026-001 v5\n")
+    run = drive(run)
+    assert run.status_reason == "stopped_drift:manifest"
+    services.run_void(run_id=run.pk, actor=operator, reason="wrong manifest")
+    with pytest.raises(InvalidTransition, match="only a paused run's drift can be accepted"):
+        gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="too late")
+    assert DriftRecord.objects.get(run=run).status == "open"
+    assert ContextPin.objects.filter(run=run, source="acknowledged").count() == 0
+
+
 def test_a_failed_run_can_be_voided(project, files, operator):
     manifest, _ = files
     failed = drive(start(project, small_plan(manifest, middle=check("IG_bad", "expect", value=1, equals=2))))
