@@ -336,6 +336,29 @@ def test_job_requeue_fail_and_cancel(make_staff, login, job_in):
     assert LogEntry.objects.count() == 3
 
 
+@pytest.mark.parametrize("model, action, kind, allowed", [
+    ("jobs.job", "requeue", "executing", ["jobs.fail_job", "jobs.cancel_job"]),
+    ("jobs.job", "fail", "executing", ["jobs.requeue_job", "jobs.cancel_job"]),
+    ("jobs.job", "cancel", "queued", ["jobs.requeue_job", "jobs.fail_job"]),
+    ("runs.escalationticket", "acknowledge", "ticket", []),
+    ("runs.escalationticket", "resolve", "ticket", []),
+])
+def test_a_job_or_ticket_action_posted_without_its_permission_changes_nothing(make_staff, login, job_in, escalation,
+                                                                              model, action, kind, allowed):
+    target = escalation() if kind == "ticket" else job_in(kind)
+    client = login(make_staff("almost", *allowed))
+    before = type(target).objects.filter(pk=target.pk).values().get()
+    response = act(client, action, [target], model=model, reason="should not happen")
+    assert response.status_code == 200
+    if allowed:  # the changelist has other actions: the POST names one it does not offer
+        assert redirected(response) and reported(response) == [(messages.WARNING, "No action selected.")]
+    else:  # no action at all: the POST is an ordinary look at the list
+        assert response.context["action_form"] is None
+    assert type(target).objects.filter(pk=target.pk).values().get() == before
+    assert not AuditRecord.objects.filter(target_type__in=["job", "escalation"]).exists()
+    assert not LogEntry.objects.exists()
+
+
 # --- the Operators group ----------------------------------------------------------------------
 
 def test_operators_may_run_every_runbook(operator_client, run_in, escalation, job_in):

@@ -193,6 +193,8 @@ def test_requeue_fail_and_cancel_job(job_in, operator):
     assert "skipped: already ended (failed)" in run_command("fail_job", str(executing.pk), "--reason", "poison")
     assert run_command("cancel_job", str(queued.pk), "--reason", "not needed").startswith(
         f"job {queued.pk}: done: queued → cancelled")
+    assert run_command("cancel_job", str(queued.pk), "--reason", "not needed").startswith(
+        f"job {queued.pk}: skipped: already cancelled")  # twice: nothing more happens
     with pytest.raises(CommandError, match="job 424242 does not exist"):
         run_command("cancel_job", "424242", "--reason", "x")
     with pytest.raises(CommandError, match="the following arguments are required: --reason"):
