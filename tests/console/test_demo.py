@@ -109,3 +109,24 @@ def test_demo_stream_needs_the_seed(db):
         call_command("demo_stream", "--once", stdout=StringIO())
     with pytest.raises(CommandError, match="greater than zero"):
         call_command("demo_stream", "--once", "--interval", "0", stdout=StringIO())
+
+
+def test_seed_demo_dry_run_lists_what_it_would_create_and_creates_nothing(db):
+    import json
+
+    from core.models import AuditRecord
+
+    out = StringIO()
+    call_command("seed_demo", "--dry-run", stdout=out)
+    planned = json.loads(out.getvalue())
+    assert planned["dry_run"] is True
+    assert any("Demo Org" in line for line in planned["would_create"]) and "3 demo runs" in planned["would_create"]
+    assert not Organization.objects.exists() and not Run.objects.exists() and not AuditRecord.objects.exists()
+
+    out = StringIO()
+    call_command("seed_demo", "--reason", "sales demo", stdout=out)
+    assert json.loads(out.getvalue())["created"] == planned["would_create"]
+    assert set(AuditRecord.objects.filter(action="run_create").values_list("reason", flat=True)) == {"sales demo"}
+    out = StringIO()
+    call_command("seed_demo", "--dry-run", stdout=out)
+    assert json.loads(out.getvalue())["would_create"] == []  # idempotent: nothing left to create

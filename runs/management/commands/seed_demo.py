@@ -7,11 +7,12 @@ import json
 import os
 
 from django.contrib.auth import get_user_model
+from django.core.management.base import CommandError
 from django.db import transaction
 
 from billing.selectors import account_balance
-from billing.services import account_topup, organization_create
-from core.management.base import RunbookCommand
+from billing.services import MAX_AMOUNT, account_topup, organization_create
+from core.management.base import RunbookCommand, whole_number
 from core.models import Organization, Project
 from core.services import project_create
 from runs.models import Run
@@ -37,38 +38,66 @@ DEMO_PLAN = {
 
 
 class Command(RunbookCommand):
-    help = "Seed the demo organization, projects, operator account, credits and a few runs (idempotent)."
+    help = ("Seed the demo organization, projects, operator account, credits and a few runs (idempotent; "
+            "--dry-run lists what it would create).")
 
     def add_arguments(self, parser):
         parser.add_argument("--username", default=os.environ.get("DEMO_USERNAME", "operator"))
         parser.add_argument("--password", default=os.environ.get("DEMO_PASSWORD", "operator"))
-        parser.add_argument("--credits", type=int, default=100_000)
+        parser.add_argument("--credits", type=whole_number(1, MAX_AMOUNT), default=100_000)
+        parser.add_argument("--reason", default="demo seed", help="recorded on the top-up and the audit records")
+        parser.add_argument("--as", dest="as_user", metavar="USERNAME",
+                            help="the audit actor (default: the demo operator)")
+        parser.add_argument("--dry-run", action="store_true", help="list what would be created; create nothing")
 
-    @transaction.atomic
     def handle(self, *args, **options):
+        reason = (options["reason"] or "").strip()
+        if not reason:
+            raise CommandError("--reason must not be empty")
+        actor = self.resolve_actor(options["as_user"])
+        with transaction.atomic():
+            organization, created = self.seed(options, actor=actor, reason=reason)
+            if options["dry_run"]:
+                transaction.set_rollback(True)  # everything above, undone: the list is exact
+        if options["dry_run"]:
+            self.stdout.write(json.dumps({"dry_run": True, "would_create": created}))
+            return
+        self.stdout.write(json.dumps({"organization": organization.pk, "username": options["username"],
+                                      "password": options["password"], "created": created}))
+
+    def seed(self, options, *, actor, reason: str) -> tuple[Organization, list[str]]:
         User = get_user_model()
+        created: list[str] = []
         organization = Organization.objects.filter(name="Demo Org").first()
         if organization is None:
             organization, project, _, _ = organization_create(
-                name="Demo Org", owner_username=options["username"], staff=True, credits=options["credits"])
-        operator = User.objects.get(username=options["username"]) if User.objects.filter(
-            username=options["username"]).exists() else User.objects.create(username=options["username"])
+                name="Demo Org", owner_username=options["username"], staff=True, credits=options["credits"],
+                actor=actor)
+            created += [f"organization 'Demo Org' with project 'default' and owner {options['username']!r}",
+                        f"{options['credits']} credits"]
+        operator = User.objects.filter(username=options["username"]).first()
+        if operator is None:
+            operator = User.objects.create(username=options["username"])
+            created.append(f"user {options['username']!r}")
         operator.is_staff = True
         operator.is_superuser = True
         operator.set_password(options["password"])
         operator.save()
+        actor = actor or operator
         if not organization.memberships.filter(user=operator).exists():
             organization.memberships.create(user=operator, role="owner")
+            created.append(f"{options['username']!r} as the organization's owner")
         if not Project.objects.filter(organization=organization, name="research").exists():
-            project_create(organization=organization, name="research", actor=operator)
+            project_create(organization=organization, name="research", actor=actor)
+            created.append("project 'research'")
         # Read the balance afresh: ``organization.credit_account`` may be the instance cached when
         # the account was opened, from before the initial top-up.
         if account_balance(organization_id=organization.pk)["available"] < 1000:
-            account_topup(organization_id=organization.pk, amount=options["credits"], reason="demo top-up",
-                          actor=operator)
+            account_topup(organization_id=organization.pk, amount=options["credits"], reason=reason, actor=actor)
+            created.append(f"a top-up of {options['credits']} credits")
         project = Project.objects.get(organization=organization, name="default")
         if not Run.objects.filter(project=project).exists():
             for index in range(3):
-                run_create(project=project, name=f"demo run {index + 1}", plan=DEMO_PLAN, actor=operator)
-        self.stdout.write(json.dumps({"organization": organization.pk, "username": options["username"],
-                                      "password": options["password"]}))
+                run_create(project=project, name=f"demo run {index + 1}", plan=DEMO_PLAN, actor=actor, reason=reason)
+            created.append("3 demo runs")
+        return organization, created
