@@ -3,7 +3,8 @@ daphne and qcluster processes.
 
 An operator logs in, opens the dashboard, starts a run from the admin and watches its status
 change on the run page without a reload, force-fails another run through the runbook action
-with a reason, and a screenshot of the dashboard is kept under ``bench/out/``.
+with a reason and sees the dashboard's failure count follow without a reload, and a screenshot
+of the dashboard is kept under ``bench/out/``.
 """
 
 from __future__ import annotations
@@ -112,8 +113,18 @@ def test_an_operator_watches_a_run_live_and_force_fails_another(tmp_path):
                 seen = watcher.evaluate("window.__seen")
                 assert "running" in seen and seen[-1] == "completed", seen
 
+                # A third tab keeps the dashboard open: its "runs failed" figure follows the force-fail live.
+                board = context.new_page()
+                board.goto(f"{base}{DASHBOARD}")
+                board.wait_for_selector("#dashboard-chart")
+                failed = '[data-metric="failures-runs-1h"]'
+                failed_before = int(board.inner_text(failed).strip())
+                board.evaluate("window.__sameDocument = true")
                 shown = choose_action(page, base, "force_fail", doomed, "stuck on a 2-minute sleep")
                 assert "done" in shown and "failed" in shown, shown
+                board.wait_for_function("([s, n]) => parseInt(document.querySelector(s).textContent.trim()) === n",
+                                        arg=[failed, failed_before + 1], timeout=60_000)
+                assert board.evaluate("window.__sameDocument") is True  # updated in place, no reload
 
                 page.goto(f"{base}{DASHBOARD}")
                 page.wait_for_selector("#dashboard-chart")
