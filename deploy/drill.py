@@ -451,7 +451,7 @@ def print_table(title: str, rows: list[Row]) -> None:
     rule = "-" * (widths[0] + widths[1] + status_width + 60)
     print(rule)
     for row in rows:
-        status = "" if row.held is None else ("ok  " if row.held else "FAIL")
+        status = ("    " if row.held is None else ("ok  " if row.held else "FAIL")) if status_width else ""
         print(f"{status}{' ' if status else ''}{row.what:<{widths[0]}}  {row.count:>{widths[1]}}  {row.detail}")
     print(rule, flush=True)
 
