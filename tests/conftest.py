@@ -26,6 +26,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Django drops the SQLite test database file but leaves its WAL sidecars (``-wal``, ``-shm``)."""
+    from pathlib import Path
+
+    database = settings.DATABASES["default"]
+    name = (database.get("TEST") or {}).get("NAME")
+    if ON_POSTGRES or not name or Path(name).exists():
+        return
+    for suffix in ("-wal", "-shm"):
+        Path(f"{name}{suffix}").unlink(missing_ok=True)
+
+
 @pytest.fixture
 def org_factory(db):
     counter = {"n": 0}
