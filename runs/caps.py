@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from core.services import event_record
 from runs import services
-from runs.escalations import escalation_open
+from runs.escalations import escalation_add_detail, escalation_open
 from runs.models import EscalationTicket, PhaseRecord, Run, RunAttempt
 from runs.pipeline import attempt_active_ms, run_hard_cap_minutes
 
@@ -72,7 +72,9 @@ def caps_enforce(*, run_id: int, now=None) -> str | None:
                      run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
                                              "active_ms": attempt_active_ms(attempt, now)})
         run = services.run_pause(run_id=run.pk, status_reason=f"{STOP_AND_ESCALATE}{cap}"[:200], reason=detail)
-        escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)
+        ticket, created = escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)
+        if not created:  # an earlier cap's ticket is still open: this cap goes on it
+            escalation_add_detail(ticket=ticket, detail=detail)
         return cap
 
 

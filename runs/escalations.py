@@ -1,7 +1,8 @@
 """Escalation tickets (seed 001 §6.2): open on the triggers, then acknowledged and resolved.
 
-A run has at most one unresolved ticket per trigger (a unique constraint), so a trigger that
-fires again while its ticket is open changes nothing.
+A run has at most one unresolved ticket per trigger (a unique constraint): a trigger that fires
+again while its ticket is open opens no second ticket; callers with something new to say add it
+to the open one (``escalation_add_detail``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,20 @@ def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: 
                      organization_id=run.organization_id, run_id=run.pk, reason=reason or detail,
                      after={"escalation": ticket.pk, "trigger": trigger})
     return ticket, True
+
+
+def escalation_add_detail(*, ticket: EscalationTicket, detail: str) -> EscalationTicket:
+    """The trigger fired again while its ticket is still unresolved: the ticket gains a line (and
+    an ``escalation_updated`` event) instead of a second ticket, so nothing that happened is lost."""
+    ticket = EscalationTicket.objects.select_for_update().select_related("run").get(pk=ticket.pk)
+    stamp = timezone.now().strftime("%Y-%m-%d %H:%M:%S")
+    ticket.detail = f"{ticket.detail}\n{stamp} again: {detail}"
+    ticket.save(update_fields=["detail"])
+    run = ticket.run
+    event_record(type="escalation_updated", organization_id=ticket.organization_id, project_id=run.project_id,
+                 run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger,
+                                         "status": ticket.status, "added": detail, "severity": ticket.severity})
+    return ticket
 
 
 def _lock_ticket(ticket_id: int) -> EscalationTicket:

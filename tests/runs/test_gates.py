@@ -438,6 +438,23 @@ def test_the_hard_cap_counts_running_time_only_and_stops_a_running_run(project, 
     assert EscalationTicket.objects.get(run=run).trigger == "stop_and_escalate"
 
 
+def test_a_second_cap_while_the_first_caps_ticket_is_open_is_added_to_that_ticket(project, files, operator):
+    manifest, _ = files
+    plan = small_plan(manifest, middle={"name": "slow", "tool": "sleep", "args": {"seconds": 0.5}},
+                      caps={"run_hard_cap_minutes": 1})
+    plan["agents"][0]["tasks"][1]["soft_cap_minutes"] = 0.005  # 0.3 s
+    run = drive(start(project, plan))
+    assert run.status_reason == "stop_and_escalate:soft_cap:phase_two"
+    gates.pipeline_resume(run_id=run.pk, actor=operator, reason="slow disk, fine")
+    services.run_mark_running(run_id=run.pk)
+    assert caps_enforce(run_id=run.pk, now=timezone.now() + timedelta(minutes=2)) == "hard_cap"
+    assert Run.objects.get(pk=run.pk).status_reason == "stop_and_escalate:hard_cap"
+    ticket = EscalationTicket.objects.get(run=run)  # still one ticket, with both caps on it
+    assert ticket.status == "open" and "soft cap of 0.005 min" in ticket.detail and "hard cap of 1 min" in ticket.detail
+    updated = Event.objects.get(run_id=run.pk, type="escalation_updated")
+    assert updated.payload["escalation"] == ticket.pk and "hard cap" in updated.payload["added"]
+
+
 # --- void, keys, dry runs --------------------------------------------------------------------------
 
 def test_void_cancels_a_stopped_run_releases_its_keys_and_refunds(project, files, operator):
