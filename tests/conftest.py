@@ -26,6 +26,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def stray_sessions_closed(request):
+    """On PostgreSQL, end the sessions a test's processes or threads left on the test database
+    (a relay thread, a killed worker's backend) before it is dropped, so the drop never fails."""
+    if not ON_POSTGRES:
+        yield
+        return
+    request.getfixturevalue("django_db_setup")  # set up before, torn down after this fixture
+    yield
+    blocker = request.getfixturevalue("django_db_blocker")
+    with blocker.unblock(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Django drops the SQLite test database file but leaves its WAL sidecars (``-wal``, ``-shm``)."""
     from pathlib import Path
