@@ -98,6 +98,41 @@ def test_without_aging_interactive_jobs_all_go_first(project, define_job, settin
     assert [run_next().result for _ in range(5)] == ["fg"] * 4 + ["bg"]
 
 
+def test_each_claim_takes_the_first_job_of_the_claim_order_whatever_the_mix(project, define_job, settings):
+    """The claim's SQL against the order's definition (``jobs_claim_order``): priorities, classes,
+    lanes busy and idle, delayed jobs, and lanes that ran their interactive burst, changing as
+    jobs are claimed and finished."""
+    import random
+
+    from jobs.services import jobs_claim_order
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 100
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 1000
+    settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = 0
+    settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST = 2
+    for kind in ("background", "interactive"):
+        define_job(type=f"mix_{kind}", run=lambda ctx, p: None, priority_class=kind, lane=lambda p, pid: p["lane"])
+    rng = random.Random(20261124)
+    now = timezone.now()
+    for n in range(80):
+        job_enqueue(job_type=rng.choice(["mix_background", "mix_interactive"]), project=project,
+                    payload={"n": n, "lane": rng.choice(["", "", "A", "B", "C"])}, priority=rng.choice([1, 5, 9]),
+                    not_before=rng.choice([None, None, None, now - LATER, now + LATER]))
+    claims = 0
+    while True:
+        aged, ordered = jobs_claim_order(timezone.now())
+        expected = aged.first() or ordered.first()
+        claimed = job_claim(worker="w1")
+        assert (claimed and claimed.pk) == (expected and expected.pk), claims
+        if claimed is None:
+            break
+        claims += 1
+        executing = list(Job.objects.filter(state=JobState.EXECUTING).order_by("id"))
+        for job in rng.sample(executing, k=min(len(executing), rng.choice([0, 1, 2]))):
+            job_complete(job_id=job.pk, attempt=job.attempts, result=None)
+    assert claims > 30 and Job.objects.filter(state=JobState.QUEUED, not_before__gt=timezone.now()).exists()
+
+
 def test_caps_answer_queue_full_with_a_retry_hint(org_factory, settings):
     settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 2
     settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 3
