@@ -203,7 +203,7 @@ PAUSE_WITH_A_STEP_IN_FLIGHT = (
 def test_credits_are_conserved_whatever_happens(first_runs, actions):
     try:
         # Retry backoff (100 ms and up) is not what this property is about: make waits zero.
-        with transaction.atomic(), mock.patch("runs.services.step_backoff_ms", return_value=0):
+        with transaction.atomic(), mock.patch("runs.services.steps.step_backoff_ms", return_value=0):
             organization, project, _, _ = organization_create(name="property", owner_username="property-owner",
                                                               credits=STARTING_CREDITS)
             runs: list[int] = []

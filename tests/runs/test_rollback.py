@@ -7,6 +7,8 @@ commit never happens.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 from django.db import transaction
 
@@ -26,7 +28,7 @@ class Boom(Exception):
 def dispatched(monkeypatch):
     """Run ids handed to a worker (only ever after commit)."""
     calls: list[int] = []
-    monkeypatch.setattr(services, "RUN_DISPATCHERS", [calls.append])
+    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [calls.append])
     return calls
 
 
@@ -50,8 +52,12 @@ def world(run: Run) -> dict:
 
 
 def explode_after(monkeypatch, name: str, *, when=lambda *args, **kwargs: True):
-    """Make ``runs.services.<name>`` do its work and then raise ``Boom`` (when ``when`` says so)."""
-    original = getattr(services, name)
+    """Make ``runs.services.<name>`` do its work and then raise ``Boom`` (when ``when`` says so),
+    wherever in the package it is called from."""
+    modules = [module for module in vars(services).values()
+               if isinstance(module, types.ModuleType) and module.__name__.startswith("runs.services.")
+               and hasattr(module, name)]
+    original = getattr(modules[0], name)
 
     def wrapper(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -59,7 +65,8 @@ def explode_after(monkeypatch, name: str, *, when=lambda *args, **kwargs: True):
             raise Boom(f"after {name}")
         return result
 
-    monkeypatch.setattr(services, name, wrapper)
+    for module in modules:
+        monkeypatch.setattr(module, name, wrapper)
 
 
 def created_run(project) -> Run:
@@ -90,7 +97,7 @@ def test_start_failing_after_its_transition_leaves_no_reservation(project, monke
     assert invariants_check() == []
 
     monkeypatch.undo()  # the same start, without the failure, goes through once
-    monkeypatch.setattr(services, "RUN_DISPATCHERS", [dispatched.append])
+    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [dispatched.append])
     with django_capture_on_commit_callbacks(execute=True):
         services.run_start(run_id=run.pk, actor=operator)
     assert dispatched == [run.pk]
@@ -107,8 +114,8 @@ def test_cancel_failing_on_its_event_leaves_the_run_running(project, monkeypatch
             raise Boom("event store down")
         return original(**kwargs)
 
-    original = services.event_record
-    monkeypatch.setattr(services, "event_record", refuse_run_events)
+    original = services.common.event_record
+    monkeypatch.setattr("runs.services.common.event_record", refuse_run_events)
     with pytest.raises(Boom):
         services.run_cancel(run_id=run.pk, reason="user asked")
 
@@ -204,7 +211,7 @@ def test_an_error_in_the_automatic_retry_rolls_back_the_whole_step_result(projec
         attempt = services.step_begin(step_id=step.pk)
         services.step_attempt_fail(attempt_id=attempt.pk, code="drill_retryable", message="x", retryable=True)
         step.refresh_from_db()
-        monkeypatch.setattr(services.timezone, "now", lambda moment=step.not_before: moment)
+        monkeypatch.setattr("django.utils.timezone.now", lambda moment=step.not_before: moment)
     attempt = services.step_begin(step_id=step.pk)
     before = world(run)
     explode_after(monkeypatch, "_record_run_change",

@@ -549,7 +549,7 @@ def test_a_retried_run_runs_a_fresh_hierarchy_and_keeps_the_old_one(run_in_state
 
 def test_start_dispatches_a_worker_only_after_commit(run_in_state, monkeypatch, django_capture_on_commit_callbacks):
     dispatched: list[int] = []
-    monkeypatch.setattr(services, "RUN_DISPATCHERS", [dispatched.append])
+    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [dispatched.append])
     run = run_in_state("created")
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         services.run_start(run_id=run.pk)

@@ -1,0 +1,125 @@
+"""A run's credits: the reservation of an attempt, step charges (exactly once per idempotency key),
+the settlement of what was not charged, and operator refunds.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db import transaction
+
+from billing.models import LedgerEntry
+from billing.services import ledger_charge, ledger_refund, ledger_reserve
+from core.errors import (
+    CreditLimitExceeded,
+    InvalidTransition,
+    ValidationFailed,
+)
+from core.services import audit_record, event_record
+from runs.models import (
+    Run,
+    RunAttempt,
+)
+from runs.services.common import _lock_run, _snapshot
+
+
+def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
+    result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                            attempt_number=attempt.number, amount=run.credit_limit,
+                            idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
+                            reason=reason or f"reserve for attempt {attempt.number}")
+    if result.created:
+        attempt.credits_reserved += run.credit_limit
+        run.credits_reserved += run.credit_limit
+        attempt.save(update_fields=["credits_reserved"])
+
+
+def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
+    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it."""
+    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
+        return False
+    remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
+    if amount > remaining:
+        raise CreditLimitExceeded(
+            f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
+            f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
+    result = ledger_charge(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason)
+    if result.created:
+        attempt.credits_charged += amount
+        run.credits_charged += amount
+        attempt.save(update_fields=["credits_charged"])
+    return result.created
+
+
+def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "") -> None:
+    """Release what the attempt reserved and did not charge: ``charged + refunded = reserved``."""
+    if attempt is None:
+        return
+    remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
+    if remaining <= 0:
+        return
+    result = ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                           attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
+                           idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
+                           reason=reason or f"release unused reservation of attempt {attempt.number}")
+    if result.created:
+        attempt.credits_refunded += remaining
+        run.credits_refunded += remaining
+        attempt.save(update_fields=["credits_refunded"])
+
+
+@transaction.atomic
+def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: str,
+               idempotency_key: str | None = None) -> int:
+    """Give charged credits of a settled run back to its organization (full or partial).
+
+    Never more than the run's net charge. Returns the amount refunded (0 on a repeated key).
+    """
+    if not (reason or "").strip():
+        raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
+    run = _lock_run(run_id)
+    if run.status not in (Run.Status.COMPLETED, Run.Status.FAILED, Run.Status.CANCELLED):
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="refund",
+                                why="only completed, failed or cancelled runs can be refunded")
+    key = idempotency_key or f"manual:{uuid.uuid4().hex}"
+    # A refund spread over several attempts is written under per-attempt keys: look for all of them,
+    # before checking the amount (a repeated request answers 0 even once nothing is left to refund).
+    attempt_keys = [f"{key}:attempt:{n}" for n in RunAttempt.objects.filter(run=run).values_list("number", flat=True)]
+    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.REFUND,
+                                  idempotency_key__in=[key, *attempt_keys]).exists():
+        return 0
+    refundable = run.credits_charged
+    if amount is None:
+        amount = refundable
+    if isinstance(amount, bool) or not isinstance(amount, int) or amount <= 0:
+        raise ValidationFailed("refund amount must be positive", errors={"amount": ["must be greater than zero"]})
+    if amount > refundable:
+        raise ValidationFailed(f"cannot refund {amount}: only {refundable} charged and not yet refunded",
+                               errors={"amount": [f"at most {refundable}"]})
+    before = _snapshot(run)
+    left = amount
+    for attempt in RunAttempt.objects.filter(run=run).order_by("-number"):
+        take = min(left, attempt.credits_charged)
+        if take <= 0:
+            continue
+        ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                      attempt_number=attempt.number, amount=take, source=LedgerEntry.Source.CHARGE,
+                      idempotency_key=f"{key}:attempt:{attempt.number}" if take != amount else key,
+                      actor=actor, reason=reason)
+        attempt.credits_charged -= take
+        attempt.credits_refunded += take
+        attempt.save(update_fields=["credits_charged", "credits_refunded"])
+        left -= take
+        if left == 0:
+            break
+    run.credits_charged -= amount
+    run.credits_refunded += amount
+    run.save(update_fields=["credits_charged", "credits_refunded", "updated_at"])
+    event_record(type="run_refunded", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                 payload={"run": run.pk, "amount": amount, "reason": reason})
+    audit_record(actor=actor, action="run_refund", target_type="run", target_id=run.pk,
+                 organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
+                 after=_snapshot(run))
+    return amount
+

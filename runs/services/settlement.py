@@ -1,0 +1,84 @@
+"""How a run ends from inside the engine: completed, failed (or failed later, when paused), retried.
+The lifecycle services and failure propagation both end runs through these, under the run's lock.
+"""
+
+from __future__ import annotations
+
+from django.utils import timezone
+
+from core.errors import (
+    InvalidTransition,
+)
+from runs.models import (
+    LIVE_NODE_STATES,
+    Agent,
+    NodeStatus,
+    Run,
+    RunAttempt,
+)
+from runs.services.common import (
+    _apply,
+    _close_attempt,
+    _current_attempt,
+    _dispatch_after_commit,
+    _duration_ms,
+    _record_run_change,
+    _snapshot,
+    _terminate_live_nodes,
+)
+from runs.services.credits import _reserve, _settle
+
+
+def _defer_failure_while_paused(run: Run, *, code: str) -> None:
+    """A paused run cannot fail: note the agent failure on the open attempt (its ``error_code``,
+    overwritten when the attempt closes); ``run_mark_running`` applies it when the run resumes."""
+    attempt = _current_attempt(run)
+    if attempt is not None and not attempt.outcome:
+        attempt.error_code = code
+        attempt.save(update_fields=["error_code"])
+
+
+def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
+    before = _snapshot(run)
+    _apply(run, "complete")
+    agents = Agent.objects.filter(run=run, attempt_number=run.attempt_number)
+    if agents.filter(status__in=LIVE_NODE_STATES).exists() or not agents.filter(status=NodeStatus.COMPLETED).exists():
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=before["status"], requested="complete",
+                                why="not every agent is done with at least one completed")
+    attempt = _current_attempt(run)
+    _settle(run, attempt, actor=actor, reason=reason)
+    now = timezone.now()
+    run.completed_at = now
+    run.duration_ms = _duration_ms(run, now)
+    run.status_reason = ""
+    _close_attempt(run, attempt, outcome=Run.Status.COMPLETED)
+    _record_run_change(run, before=before, action="complete", actor=actor, reason=reason)
+    return run
+
+
+def _fail_locked(run: Run, *, code: str, message: str, actor=None, reason: str = "", action: str = "fail") -> Run:
+    before = _snapshot(run)
+    _apply(run, "fail")
+    attempt = _current_attempt(run)
+    _terminate_live_nodes(run, attempt_number=run.attempt_number)
+    _settle(run, attempt, actor=actor, reason=reason)
+    now = timezone.now()
+    run.last_error_code = code
+    run.last_error = message
+    run.completed_at = now
+    run.duration_ms = _duration_ms(run, now)
+    _close_attempt(run, attempt, outcome=Run.Status.FAILED, error_code=code)
+    _record_run_change(run, before=before, action=action, actor=actor, reason=reason)
+    return run
+
+
+def _retry_locked(run: Run, *, actor=None, reason: str = "") -> Run:
+    before = _snapshot(run)
+    _apply(run, "retry")
+    attempt = RunAttempt.objects.create(run=run, number=run.attempt_number)
+    _reserve(run, attempt, actor=actor, reason=reason)
+    run.status_reason = ""
+    _record_run_change(run, before=before, action="retry", actor=actor, reason=reason)
+    _dispatch_after_commit(run.pk)
+    return run
+

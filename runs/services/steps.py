@@ -1,0 +1,316 @@
+"""Step attempts and scheduling: which steps are runnable, a step attempt's begin, its success,
+failure and abandonment (with its charge and backoff), each settled under the run's lock.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from core.errors import (
+    CreditLimitExceeded,
+    InvalidTransition,
+    NotFound,
+)
+from runs import pipeline
+from runs.models import (
+    DONE_NODE_STATES,
+    Agent,
+    NodeStatus,
+    ParallelismMode,
+    Run,
+    Step,
+    StepAttempt,
+    Task,
+)
+from runs.services.common import (
+    STEP_BACKOFF_BASE_MS,
+    STEP_BACKOFF_CAP_MS,
+    STEP_FAILURE_HOOKS,
+    _current_attempt,
+    _lock_run,
+    _node_event,
+    _node_move,
+)
+from runs.services.credits import _charge
+from runs.services.propagation import _after_step_done, _after_step_failed
+from runs.tools import tool_get
+
+
+def step_backoff_ms(tries_done: int, *, rng: random.Random | None = None) -> int:
+    """Seed 001 §6.1: 100 ms · 2^n, capped at 30 s, ±10 % jitter (n = failed tries so far - 1)."""
+    delay = min(STEP_BACKOFF_BASE_MS * (2 ** max(0, tries_done - 1)), STEP_BACKOFF_CAP_MS)
+    jitter = delay * 0.1 * (2 * (rng or random).random() - 1)
+    return int(delay + jitter)
+
+
+def _step_idempotency_key(run: Run, step: Step, number: int) -> str:
+    return f"run:{run.pk}:attempt:{run.attempt_number}:step:{step.pk}:try:{number}"
+
+
+def runnable_steps(run: Run, *, now=None) -> list[Step]:
+    """Steps of the current attempt that may start now, by the parallelism rules of each level.
+
+    Agents run in parallel up to ``max_agents``; an agent's tasks by its ``parallelism_mode``
+    (sequential, parallel up to 5, dag by ``depends_on``); a task's steps sequential or
+    parallel up to 3. Steps waiting out a backoff (``not_before``) are not runnable yet.
+    """
+    now = now or timezone.now()
+    if run.status != Run.Status.RUNNING:
+        return []
+    agents = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number).order_by("sequence"))
+    tasks = list(Task.objects.filter(run=run, agent__attempt_number=run.attempt_number).order_by("agent_id", "sequence"))
+    steps = list(Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
+                 .order_by("task_id", "sequence"))
+    tasks_by_agent: dict[int, list[Task]] = {}
+    for task in tasks:
+        tasks_by_agent.setdefault(task.agent_id, []).append(task)
+    steps_by_task: dict[int, list[Step]] = {}
+    for step in steps:
+        steps_by_task.setdefault(step.task_id, []).append(step)
+    running_agents = sum(1 for a in agents if a.status == NodeStatus.RUNNING)
+    result: list[Step] = []
+    for agent in agents:
+        if agent.status not in (NodeStatus.PENDING, NodeStatus.RUNNING):
+            continue
+        if agent.status == NodeStatus.PENDING:
+            if running_agents >= run.max_agents:
+                continue
+        agent_tasks = tasks_by_agent.get(agent.pk, [])
+        by_name = {t.name: t for t in agent_tasks}
+        candidates: list[Task] = []
+        if agent.parallelism_mode == ParallelismMode.SEQUENTIAL:
+            for task in agent_tasks:
+                if task.status in DONE_NODE_STATES:
+                    continue
+                candidates = [task]
+                break
+        elif agent.parallelism_mode == ParallelismMode.PARALLEL:
+            live = [t for t in agent_tasks if t.status in (NodeStatus.PENDING, NodeStatus.RUNNING)]
+            busy = sum(1 for t in live if t.status == NodeStatus.RUNNING)
+            candidates = [t for t in live if t.status == NodeStatus.RUNNING]
+            candidates += [t for t in live if t.status == NodeStatus.PENDING][: max(0, 5 - busy)]
+        else:
+            for task in agent_tasks:
+                if task.status not in (NodeStatus.PENDING, NodeStatus.RUNNING):
+                    continue
+                if all(by_name[d].status == NodeStatus.COMPLETED for d in task.depends_on if d in by_name):
+                    candidates.append(task)
+        found_before = len(result)
+        for task in candidates:
+            if task.status not in (NodeStatus.PENDING, NodeStatus.RUNNING):
+                continue
+            task_steps = steps_by_task.get(task.pk, [])
+            if task.parallelism_mode == ParallelismMode.PARALLEL:
+                busy = sum(1 for s in task_steps if s.status == NodeStatus.RUNNING)
+                ready = [s for s in task_steps if s.status == NodeStatus.PENDING
+                         and (s.not_before is None or s.not_before <= now)]
+                result.extend(ready[: max(0, 3 - busy)])
+            else:
+                for step in task_steps:
+                    if step.status in DONE_NODE_STATES:
+                        continue
+                    if step.status == NodeStatus.PENDING and (step.not_before is None or step.not_before <= now):
+                        result.append(step)
+                    break
+        if agent.status == NodeStatus.PENDING and len(result) > found_before:
+            running_agents += 1
+    return result
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What happened to a step attempt: ``completed``, ``retry`` (with delay), ``failed``, ``discarded``
+    (a late result: nothing recorded, nothing charged) or ``replayed`` (already recorded once)."""
+
+    decision: str
+    step_id: int
+    delay_ms: int = 0
+    error_code: str = ""
+
+
+@transaction.atomic
+def step_begin(*, step_id: int) -> StepAttempt:
+    """pending → running for a runnable step (and its task and agent): a new ``StepAttempt``
+    whose idempotency key names run, attempt, step and try.
+    """
+    try:
+        run_id = Step.objects.values_list("run_id", flat=True).get(pk=step_id)
+    except Step.DoesNotExist as exc:
+        raise NotFound(f"step {step_id} does not exist") from exc
+    run = _lock_run(run_id)
+    step = Step.objects.select_related("task__agent").get(pk=step_id)
+    if run.status != Run.Status.RUNNING:
+        raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="begin step",
+                                why=f"step {step_id} can only start while the run is running")
+    if step.pk not in {s.pk for s in runnable_steps(run)}:
+        raise InvalidTransition(entity="step", entity_id=step.pk, current=step.status, requested="begin",
+                                why="not runnable now (order, dependencies, limits or backoff)")
+    task, agent = step.task, step.task.agent
+    if agent.status == NodeStatus.PENDING:
+        _node_move(agent, "begin", run=run)
+    if task.status == NodeStatus.PENDING:
+        _node_move(task, "begin", run=run)
+    step.attempts += 1
+    step.tries_this_round += 1
+    step.not_before = None
+    _node_move(step, "begin", run=run)
+    attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
+                                         idempotency_key=_step_idempotency_key(run, step, step.attempts))
+    run.last_heartbeat = timezone.now()
+    run.save(update_fields=["last_heartbeat", "updated_at"])
+    return attempt
+
+
+def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
+    try:
+        run_id = StepAttempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
+    except StepAttempt.DoesNotExist as exc:
+        raise NotFound(f"step attempt {attempt_id} does not exist") from exc
+    run = _lock_run(run_id)
+    attempt = StepAttempt.objects.get(pk=attempt_id)
+    step = Step.objects.select_related("task__agent").get(pk=attempt.step_id)
+    return run, attempt, step
+
+
+def _attempt_is_current(run: Run, attempt: StepAttempt, step: Step) -> bool:
+    return (attempt.outcome == StepAttempt.Outcome.RUNNING and step.attempts == attempt.number
+            and step.status in (NodeStatus.RUNNING, NodeStatus.PAUSED)
+            and run.status in (Run.Status.RUNNING, Run.Status.PAUSED, Run.Status.RESUMING)
+            and step.task.agent.attempt_number == run.attempt_number)
+
+
+def _outcome_of_settled(attempt: StepAttempt, step: Step) -> StepOutcome:
+    """A result for an attempt already settled: discarded stays discarded, anything else is a replay."""
+    if attempt.outcome == StepAttempt.Outcome.DISCARDED:
+        return StepOutcome("discarded", step.pk)
+    return StepOutcome("replayed", step.pk)
+
+
+def _discard(attempt: StepAttempt) -> None:
+    if attempt.outcome == StepAttempt.Outcome.RUNNING:
+        attempt.outcome = StepAttempt.Outcome.DISCARDED
+        attempt.finished_at = timezone.now()
+        attempt.save(update_fields=["outcome", "finished_at"])
+
+
+def _step_cost(step: Step, run: Run) -> int:
+    """A tool's cost per attempt; gates, and every step of a dry run, cost nothing."""
+    tool = tool_get(step.tool) if step.kind == Step.Kind.TOOL and run.mode != "dryrun" else None
+    return tool.cost if tool else 0
+
+
+@transaction.atomic
+def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
+    """Record a successful attempt: charge its cost, complete the step, propagate upwards.
+
+    A late result (run cancelled or failed, step retried meanwhile) is discarded. A cost past
+    the attempt's reservation fails the step with ``credit_limit_exceeded`` (not retryable).
+    """
+    run, attempt, step = _load_attempt(attempt_id)
+    if attempt.outcome != StepAttempt.Outcome.RUNNING:
+        return _outcome_of_settled(attempt, step)
+    if not _attempt_is_current(run, attempt, step):
+        _discard(attempt)
+        return StepOutcome("discarded", step.pk)
+    run_attempt = _current_attempt(run)
+    cost = _step_cost(step, run)
+    if cost:
+        try:
+            _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+        except CreditLimitExceeded as exc:
+            return _attempt_failed(run, attempt, step, code="credit_limit_exceeded", message=exc.detail,
+                                   retryable=False, charge=False)
+    attempt.outcome = StepAttempt.Outcome.SUCCEEDED
+    attempt.cost = cost
+    attempt.finished_at = timezone.now()
+    attempt.save(update_fields=["outcome", "cost", "finished_at"])
+    step.output = output
+    step.credits_charged += cost
+    _node_move(step, "complete", run=run)
+    run.save(update_fields=["credits_charged", "updated_at"])
+    if run.gated:
+        pipeline.step_pins_record(run, step)
+    _after_step_done(run, step.task)
+    return StepOutcome("completed", step.pk)
+
+
+@transaction.atomic
+def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bool) -> StepOutcome:
+    """Record a failed attempt (its cost is charged). Retryable with tries left → the step waits
+    out seed 001's backoff; otherwise the step fails and the failure propagates by failure mode.
+    """
+    run, attempt, step = _load_attempt(attempt_id)
+    if attempt.outcome != StepAttempt.Outcome.RUNNING:
+        return _outcome_of_settled(attempt, step)
+    if not _attempt_is_current(run, attempt, step):
+        _discard(attempt)
+        return StepOutcome("discarded", step.pk)
+    return _attempt_failed(run, attempt, step, code=code or "error", message=message or code, retryable=retryable,
+                           charge=True)
+
+
+@transaction.atomic
+def step_attempt_abandon(*, attempt_id: int) -> StepOutcome:
+    """Drop an attempt interrupted by pause or cancel (or a gate waiting for approval): nothing is
+    charged, the try is not counted; a step still running goes back to pending (paused when the
+    run is paused) and runs again with a new attempt later."""
+    run, attempt, step = _load_attempt(attempt_id)
+    if attempt.outcome != StepAttempt.Outcome.RUNNING:
+        return _outcome_of_settled(attempt, step)
+    _discard(attempt)
+    if step.attempts == attempt.number and step.status in (NodeStatus.RUNNING, NodeStatus.PAUSED):
+        step.tries_this_round = max(0, step.tries_this_round - 1)
+        step.not_before = None
+        paused = step.status == NodeStatus.PAUSED or run.status == Run.Status.PAUSED
+        _node_move(step, "reset", run=run, emit=False)
+        if paused:
+            _node_move(step, "pause", run=run, emit=False)
+    return StepOutcome("discarded", step.pk)
+
+
+def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, message: str, retryable: bool,
+                    charge: bool) -> StepOutcome:
+    cost = _step_cost(step, run) if charge else 0
+    if cost:
+        try:
+            _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+        except CreditLimitExceeded as exc:
+            cost, code, message, retryable = 0, "credit_limit_exceeded", exc.detail, False
+    attempt.outcome = StepAttempt.Outcome.FAILED
+    attempt.cost = cost
+    attempt.retryable = retryable
+    attempt.error_code = code
+    attempt.error = message
+    attempt.finished_at = timezone.now()
+    attempt.save()
+    for hook in STEP_FAILURE_HOOKS:
+        transaction.on_commit(lambda hook=hook, attempt_id=attempt.pk: hook(attempt_id))
+    step.credits_charged += cost
+    step.last_error_code, step.last_error = code, message
+    if cost:
+        run.save(update_fields=["credits_charged", "updated_at"])
+    from runs.escalations import escalations_evaluate
+
+    uncapped = STEP_BACKOFF_BASE_MS * (2 ** max(0, step.tries_this_round - 1)) if retryable else None
+    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=STEP_BACKOFF_CAP_MS,
+                         retries_exhausted=retryable and step.tries_this_round >= step.max_tries)
+    if retryable and step.tries_this_round < step.max_tries:
+        delay = step_backoff_ms(step.tries_this_round)
+        step.not_before = timezone.now() + timedelta(milliseconds=delay)
+        _node_move(step, "reset", run=run, emit=False)
+        if run.status == Run.Status.PAUSED:
+            _node_move(step, "pause", run=run, emit=False)
+        _node_event(step, before=NodeStatus.RUNNING, run=run,
+                    extra={"retry_in_ms": delay, "try": step.tries_this_round, "error": {"code": code,
+                                                                                          "message": message}})
+        return StepOutcome("retry", step.pk, delay_ms=delay, error_code=code)
+    _node_move(step, "fail", run=run, error=(code, message))
+    _after_step_failed(run, step)
+    return StepOutcome("failed", step.pk, error_code=code)
+
