@@ -32,6 +32,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.substates import StatusReason, SubState
 
 SIMILAR_WINDOW = timedelta(hours=24)
 SIMILAR_LISTED = 10  # run ids and project names listed at most
@@ -469,7 +470,7 @@ def suggestion_compute(*, run_id: int, now=None) -> SuggestionResult:
                         amount=run.credit_limit - available)
         return done("start", f"never started; {run.credit_limit} credits to reserve, {available} available")
     if status == Run.Status.PAUSED:
-        if run.status_reason.startswith("awaiting_approval:"):
+        if StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL):
             gate = run.status_reason.split(":", 1)[1]
             request = (ApprovalRequest.objects.filter(run=run, gate=gate, status=ApprovalRequest.Status.PENDING)
                        .order_by("-id").first())

@@ -30,7 +30,6 @@ from core.models import AuditRecord, Event
 from diagnosis.admin import RunDiagnosisAdminMixin
 from jobs.admin import ProjectListFilter, run_waiting_jobs_html
 from runs import runbooks
-from runs.admin_pipeline import AcknowledgeDriftForm, ResumeForm, RunPipelineAdminMixin
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -42,7 +41,9 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.pipeline.admin import AcknowledgeDriftForm, ResumeForm, RunPipelineAdminMixin
 from runs.selectors import run_escalated, run_stuck_q
+from runs.substates import StatusReason, SubState
 
 TIMELINE_LIMIT = 50
 
@@ -217,7 +218,7 @@ class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin,
     def runbook_initial(self, runbook, objects):
         if runbook.name == "approve_gate":
             gates = {run.status_reason.split(":", 1)[1] for run in objects
-                     if run.status_reason.startswith("awaiting_approval:")}
+                     if StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL)}
             return {"gate": gates.pop()} if len(gates) == 1 else {}
         if runbook.name == "recover":
             return {"older_than_s": settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S}

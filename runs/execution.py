@@ -19,10 +19,18 @@ from django.db.models import Min
 from django.utils import timezone
 
 from core.errors import CommandConflict, InvalidTransition, NotFound, ValidationFailed
-from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register
+from jobs.registry import (
+    Dedupe,
+    JobCancelled,
+    JobDefinition,
+    JobTimeout,
+    RetryPolicy,
+    register,
+)
 from jobs.services import job_enqueue
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
+from runs.pipeline.gates import gate_execute
 from runs.tools import tool_get
 
 logger = logging.getLogger("orchestrator.runs")
@@ -103,18 +111,14 @@ def _step(ctx, payload: dict) -> dict:
         attempt = _interrupted_attempt(step_id, payload["round"])
         if attempt is None:
             return {"step": step_id, "skipped": getattr(exc, "detail", str(exc))}
-        from runs.gates import recovery_revalidate
-
-        stopped = recovery_revalidate(run_id=run_id, attempt=attempt)  # gated runs: pins and last gate first
+        stopped = services.recovery_revalidate(run_id=run_id, attempt=attempt)  # gated runs: pins and last gate first
         if stopped is not None:
             return {"step": step_id, "attempt": attempt.number, "decision": stopped.decision,
                     "stopped": "drift found on recovery"}
     step = Step.objects.select_related("run__project").get(pk=step_id)
     outcome = _execute_attempt(ctx, step, attempt)
     if step.run.gated:
-        from runs.caps import caps_enforce
-
-        caps_enforce(run_id=run_id)  # a step that overran its phase's soft cap stops the run here
+        services.caps_enforce(run_id=run_id)  # a step that overran its phase's soft cap stops the run here
     not_before = None
     if outcome.decision == "retry":
         not_before = timezone.now() + timedelta(milliseconds=outcome.delay_ms)
@@ -138,8 +142,6 @@ def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
 
     run = step.run
     if step.kind != Step.Kind.TOOL:
-        from runs.gates import gate_execute
-
         return gate_execute(step=step, attempt=attempt)
     if run.mode == "dryrun":  # a dry run executes its checks and gates, never a tool's side effect
         return services.step_attempt_succeed(attempt_id=attempt.pk, output={

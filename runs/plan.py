@@ -14,9 +14,9 @@ from typing import Any
 from django.conf import settings
 
 from core.errors import ValidationFailed
-from runs.checks import CHECKS
 from runs.models import FailureMode, ParallelismMode, Step
-from runs.pins import pins_spec_errors
+from runs.pipeline.checks import CHECKS
+from runs.pipeline.pins import pins_spec_errors
 from runs.tools import tool_get, tool_names
 
 FAILURE_MODES = {choice.value for choice in FailureMode}

@@ -60,9 +60,7 @@ def runs_reap(*, now=None) -> dict[str, int]:
         stale = Run.objects.filter(status=status).filter(**{f"{field}__lt": since}).values_list("pk", flat=True)
         for run_id in stale:
             done["timed_out"] += _end(run_id, action, code, f"{status} for more than {seconds} s")
-    from runs.caps import runs_caps_enforce
-
-    done["capped"] = runs_caps_enforce(now=now)  # gated runs past a time cap stop and escalate
+    done["capped"] = services.runs_caps_enforce(now=now)  # gated runs past a time cap stop and escalate
     if not settings.ORCHESTRATOR_RUN_AUTO_RECOVER:  # silent and orphaned runs are left to operators
         return done
     waiting = Job.objects.filter(run_id=OuterRef("pk"), state__in=[JobState.RECEIVED, JobState.QUEUED,

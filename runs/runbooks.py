@@ -16,9 +16,18 @@ from django_fsm import can_proceed
 from billing.selectors import account_balance
 from core.runbooks import Plan, Runbook, Skip
 from core.services import actor_label
-from runs import escalations, gates, pipeline, services
-from runs.models import SETTLED_RUN_STATES, ApprovalRequest, EscalationTicket, PipelineKey, Run
+from runs import services
+from runs.models import (
+    SETTLED_RUN_STATES,
+    ApprovalRequest,
+    EscalationTicket,
+    PipelineKey,
+    Run,
+)
+from runs.pipeline import bookkeeping
 from runs.selectors import run_held_credits, run_open_escalation, runs_heartbeat_stale
+from runs.services import escalations
+from runs.substates import StatusReason, SubState
 
 FORCE_FAIL_CODE = "force_failed"
 HEARTBEAT_TIMEOUT_CODE = services.HEARTBEAT_TIMEOUT_CODE
@@ -149,15 +158,15 @@ def _resume_plan(run: Run, options: dict) -> Plan:
         skip = _ended(run)
     else:
         refusal = _refusal(run, "resume")
-    if not skip and not refusal and run.status_reason.startswith(gates.AWAITING_APPROVAL):
-        gate = run.status_reason[len(gates.AWAITING_APPROVAL):]
+    if not skip and not refusal and StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL):
+        gate = StatusReason.parse(run.status_reason).detail
         ref = options.get("approval_ref") or ""
         if not ref:
             refusal = f"waiting for an approval of gate {gate!r}: give its approval reference (or approve the gate)"
         else:
             change = f"gate {options.get('gate') or gate!r} approved with {ref!r}; {run.status} → resuming"
     elif not skip and not refusal and run.gated:
-        drift = pipeline.drift_open(run).order_by("id").first()
+        drift = bookkeeping.drift_open(run).order_by("id").first()
         if drift is not None:
             refusal = (f"stopped on drift of {drift.dimension!r} (recorded {drift.recorded!r}, live {drift.live!r}): "
                        "acknowledge it first")
@@ -169,12 +178,12 @@ def _resume_plan(run: Run, options: dict) -> Plan:
 
 def _resume(run: Run, *, actor, reason: str, options: dict) -> str:
     before = _current(run)
-    result = gates.pipeline_resume(run_id=run.pk, actor=actor, reason=reason, gate=options.get("gate") or None,
+    result = services.pipeline_resume(run_id=run.pk, actor=actor, reason=reason, gate=options.get("gate") or None,
                                    approval_ref=options.get("approval_ref") or None)
     if result.outcome == "nothing":
         raise Skip(result.detail)
     if result.outcome == "stopped_drift":  # recorded and committed: the run stays stopped
-        raise gates.DriftDetected(f"not resumed: {result.detail} (" + "; ".join(
+        raise services.DriftDetected(f"not resumed: {result.detail} (" + "; ".join(
             f"{d['dimension']}: recorded {d['recorded']!r}, live {d['live']!r}" for d in result.drift) + ")")
     run.refresh_from_db()
     return f"{before} → {run.status}" + (f"; {result.detail}" if result.detail else "")
@@ -187,7 +196,7 @@ RUN_RESUME = Runbook(name="resume", title="Resume", permission="runs.resume_run"
 # --- acknowledge drift and void (gated pipelines) ------------------------------------------
 
 def _acknowledge_drift_plan(run: Run, options: dict) -> Plan:
-    open_drift = pipeline.drift_open(run).order_by("id")
+    open_drift = bookkeeping.drift_open(run).order_by("id")
     if options.get("dimension"):
         open_drift = open_drift.filter(dimension=options["dimension"])
     found = list(open_drift)
@@ -200,7 +209,7 @@ def _acknowledge_drift_plan(run: Run, options: dict) -> Plan:
 
 
 def _acknowledge_drift(run: Run, *, actor, reason: str, options: dict) -> str:
-    drifts = gates.drift_acknowledge(run_id=run.pk, actor=actor, reason=reason,
+    drifts = services.drift_acknowledge(run_id=run.pk, actor=actor, reason=reason,
                                      dimension=options.get("dimension") or None)
     return "acknowledged " + ", ".join(d.dimension for d in drifts) + "; resume the run to continue"
 
@@ -212,7 +221,7 @@ RUN_ACKNOWLEDGE_DRIFT = Runbook(name="acknowledge_drift", title="Acknowledge dri
 
 def _void_plan(run: Run, options: dict) -> Plan:
     skip = refusal = ""
-    if run.status == Run.Status.CANCELLED and run.status_reason.startswith(services.VOIDED_PREFIX):
+    if run.status == Run.Status.CANCELLED and StatusReason.parse(run.status_reason).is_(SubState.VOIDED):
         skip = f"already voided ({run.status_reason})"
     elif run.status not in (Run.Status.PAUSED, Run.Status.FAILED):
         refusal = f"only a stopped run (paused or failed) can be voided; it is {run.status}"
@@ -332,7 +341,7 @@ def _approve_plan(run: Run, options: dict) -> Plan:
     elif run.status in SETTLED_RUN_STATES:
         skip = _ended(run)
     refusal = ""
-    if run.status_reason != f"awaiting_approval:{gate}":
+    if not StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL, gate):
         refusal = f"not waiting for gate {gate!r} ({run.status_reason or run.status})"
     return Plan(current=f"{run.status} ({run.status_reason})" if run.status_reason else run.status,
                 change=f"gate {gate!r} approved with {ref!r}; {run.status} → resuming", credits=_held(run),
@@ -342,7 +351,7 @@ def _approve_plan(run: Run, options: dict) -> Plan:
 def _approve(run: Run, *, actor, reason: str, options: dict) -> str:
     gate, ref = options.get("gate") or "", options.get("approval_ref") or ""
     before = run.status
-    request = gates.approval_grant(run_id=run.pk, gate=gate, approval_ref=ref, actor=actor, reason=reason)
+    request = services.approval_grant(run_id=run.pk, gate=gate, approval_ref=ref, actor=actor, reason=reason)
     run.refresh_from_db()
     return f"gate {request.gate!r} approved ({ref}); {before} → {run.status}"
 

@@ -231,7 +231,7 @@ def pipeline_as_dict(run: Run) -> dict | None:
     """A gated run's pins, drift, pending approvals and passed gates (None for other runs)."""
     if not run.gated:
         return None
-    from runs.pins import pins_values
+    from runs.pipeline.pins import pins_values
 
     current = {"run": run, "attempt_number": run.attempt_number}
     return {

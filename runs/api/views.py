@@ -17,8 +17,6 @@ from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
 from core.api.schema import ERROR_CODES, errors
-from core.errors import PermissionRefused
-from core.models import Membership
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
@@ -30,7 +28,9 @@ from core.api.tenancy import (
     visible_project,
     visible_projects,
 )
-from runs import escalations, gates, services
+from core.errors import PermissionRefused
+from core.models import Membership
+from runs import services
 from runs.api.serializers import (
     AcknowledgeDriftSerializer,
     ActionSerializer,
@@ -44,7 +44,8 @@ from runs.api.serializers import (
     RunSerializer,
 )
 from runs.models import EscalationTicket, Run
-from runs.sidecar import sidecar_build
+from runs.pipeline.sidecar import sidecar_build
+from runs.services import escalations
 
 # The error codes of gated pipelines, described in the schema with the rest.
 for _code, _description in {
@@ -165,11 +166,11 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         data = serializer.validated_data
         if data["approval_ref"]:  # resuming with a reference approves the gate the run waits for
             _require_authority(request, self.get_object(), "runs.approve_gate", "approving a gate")
-        result = gates.pipeline_resume(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
+        result = services.pipeline_resume(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
                                        gate=data["gate"] or None, approval_ref=data["approval_ref"] or None)
         if result.outcome == "stopped_drift":
             first = result.drift[0]
-            raise gates.DriftDetected(f"run {result.run.pk} did not resume: {result.detail} (recorded "
+            raise services.DriftDetected(f"run {result.run.pk} did not resume: {result.detail} (recorded "
                                       f"{first['recorded']!r}, live {first['live']!r}); acknowledge the drift first",
                                       status_reason=result.detail, drift=result.drift)
         return self._detail(Run.objects.get(pk=result.run.pk))
@@ -184,7 +185,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         serializer.is_valid(raise_exception=True)
         data = serializer.validated_data
         _require_authority(request, self.get_object(), "runs.acknowledge_drift", "acknowledging drift")
-        gates.drift_acknowledge(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
+        services.drift_acknowledge(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
                                 dimension=data["dimension"] or None)
         return self._detail(Run.objects.get(pk=self.get_object().pk))
 
@@ -223,7 +224,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         run = self.get_object()
         _require_authority(request, run, "runs.approve_gate", "approving a gate")
         data = serializer.validated_data
-        gates.approval_grant(run_id=run.pk, gate=data["gate"], approval_ref=data["approval_ref"], actor=request.user,
+        services.approval_grant(run_id=run.pk, gate=data["gate"], approval_ref=data["approval_ref"], actor=request.user,
                              reason=data["reason"])
         return self._detail(Run.objects.get(pk=run.pk))
 

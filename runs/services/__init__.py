@@ -30,7 +30,6 @@ from runs.services.common import (  # noqa: F401
 from runs.services.credits import run_refund  # noqa: F401
 from runs.services.lifecycle import (  # noqa: F401
     HEARTBEAT_TIMEOUT_CODE,
-    VOIDED_PREFIX,
     RunNotStuck,
     run_cancel,
     run_complete,
@@ -56,3 +55,25 @@ from runs.services.steps import (  # noqa: F401
     step_backoff_ms,
     step_begin,
 )
+from runs.services.approvals import (  # noqa: F401
+    ApprovalNotPending,
+    ApprovalRequired,
+    ApprovalReused,
+    approval_grant,
+)
+from runs.services.drift import (  # noqa: F401
+    DriftDetected,
+    DriftNotPending,
+    ResumeResult,
+    drift_acknowledge,
+    pipeline_resume,
+    recovery_revalidate,
+)
+from runs.services.escalations import (  # noqa: F401
+    escalation_acknowledge,
+    escalation_add_detail,
+    escalation_open,
+    escalation_resolve,
+    escalations_evaluate,
+)
+from runs.services.caps import caps_enforce, runs_caps_enforce  # noqa: F401

@@ -17,7 +17,6 @@ from core.errors import (
     NotFound,
 )
 from core.services import audit_record, event_record, transition_log
-from runs import pipeline
 from runs.models import (
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
@@ -33,6 +32,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.pipeline import bookkeeping
 
 STEP_BACKOFF_BASE_MS = 100
 
@@ -92,7 +92,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
     run.save()
-    pipeline.pipeline_clock(run, before_status=before["status"])
+    bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {
         "run": run.pk,
         "name": run.name,
@@ -163,7 +163,7 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         node.last_error_code, node.last_error = error
     node.save()
     if isinstance(node, Task) and run.gated:
-        pipeline.phase_moved(run, node, action=action)
+        bookkeeping.phase_moved(run, node, action=action)
     entity = type(node).__name__.lower()
     transition_log(entity=entity, id=node.pk, project=run.project_id, run=run.pk, attempt=run.attempt_number,
                    action=action, **{"from": before, "to": node.status}, reason=node.last_error_code if

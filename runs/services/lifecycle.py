@@ -19,7 +19,6 @@ from core.errors import (
 )
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
-from runs import pipeline
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -30,6 +29,7 @@ from runs.models import (
     Step,
     Task,
 )
+from runs.pipeline import bookkeeping
 from runs.plan import plan_cost_estimate, plan_is_gated, plan_validate
 from runs.services.common import (
     _apply,
@@ -47,6 +47,7 @@ from runs.services.common import (
 from runs.services.credits import _reserve, _settle
 from runs.services.propagation import _apply_failure_deferred_by_pause
 from runs.services.settlement import _complete_locked, _fail_locked, _retry_locked
+from runs.substates import StatusReason, SubState, status_reason
 
 
 @transaction.atomic
@@ -112,7 +113,7 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="start", why="deleted")
     before = _snapshot(run)
     _apply(run, "start")
-    pipeline.pipeline_keys_claim(run)  # a gated run's phase keys; another run's key refuses the start
+    bookkeeping.pipeline_keys_claim(run)  # a gated run's phase keys; another run's key refuses the start
     attempt, _ = RunAttempt.objects.get_or_create(run=run, number=run.attempt_number)
     _reserve(run, attempt, actor=actor, reason=reason)
     _record_run_change(run, before=before, action="start", actor=actor, reason=reason)
@@ -134,7 +135,7 @@ def run_mark_running(*, run_id: int) -> Run:
     if not from_resuming:
         run.started_at = run.started_at or now
         if _spawn_hierarchy(run):
-            pipeline.pipeline_begin(run)
+            bookkeeping.pipeline_begin(run)
     run.status_reason = ""
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
@@ -234,7 +235,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     if run.status == Run.Status.RESUMING:
         return run
     if run.gated and run.status == Run.Status.PAUSED:
-        pipeline.drift_refuse_unacknowledged(run)  # a stopped_drift run waits for an acknowledgment
+        bookkeeping.drift_refuse_unacknowledged(run)  # a stopped_drift run waits for an acknowledgment
     before = _snapshot(run)
     _apply(run, "resume")
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
@@ -275,10 +276,10 @@ def run_cancel(*, run_id: int, actor=None, reason: str = "", code: str = "cancel
         run.last_error_code = code
         run.last_error = reason or code
     _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code=code)
-    released = (pipeline.pipeline_keys_release(run, reason=f"cancelled: {reason}" if reason else "cancelled")
+    released = (bookkeeping.pipeline_keys_release(run, reason=f"cancelled: {reason}" if reason else "cancelled")
                 if run.gated else [])
     voided = _approvals_void(run, reason=reason or "cancelled") if run.gated else 0
-    if run.status_reason.startswith("awaiting_approval:"):  # nothing waits for that approval any more
+    if StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL):  # nothing waits for that approval any more
         run.status_reason = ""
     extra = {key: value for key, value in (("released_keys", released), ("voided_approvals", voided)) if value}
     _record_run_change(run, before=before, action="cancel", actor=actor, reason=reason, extra=extra or None)
@@ -297,9 +298,6 @@ def _approvals_void(run: Run, *, reason: str) -> int:
     return len(pending)
 
 
-VOIDED_PREFIX = "voided:"
-
-
 @transaction.atomic
 def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     """paused|failed → cancelled with the status reason ``voided:<reason>`` (seed 002's void): end
@@ -310,7 +308,7 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     if not reason:
         raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
     run = _lock_run(run_id)
-    if run.status == Run.Status.CANCELLED and run.status_reason.startswith(VOIDED_PREFIX):
+    if run.status == Run.Status.CANCELLED and StatusReason.parse(run.status_reason).is_(SubState.VOIDED):
         return run
     if not can_proceed(run.void):
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="void",
@@ -318,10 +316,10 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     before = _snapshot(run)
     run.void()
     attempt = _end_cancelled(run, actor=actor, reason=reason)
-    run.status_reason = f"{VOIDED_PREFIX}{reason}"[:200]
+    run.status_reason = status_reason(SubState.VOIDED, reason)
     if attempt is not None and not attempt.outcome:
         _close_attempt(run, attempt, outcome=Run.Status.CANCELLED, error_code="voided")
-    released = pipeline.pipeline_keys_release(run, reason=f"voided: {reason}")
+    released = bookkeeping.pipeline_keys_release(run, reason=f"voided: {reason}")
     voided = _approvals_void(run, reason=f"voided: {reason}")
     _record_run_change(run, before=before, action="void", actor=actor, reason=reason,
                        extra={"released_keys": released, "voided_approvals": voided})

@@ -17,7 +17,6 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
-from runs import pipeline
 from runs.models import (
     DONE_NODE_STATES,
     Agent,
@@ -28,6 +27,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.pipeline import bookkeeping
 from runs.services.common import (
     STEP_BACKOFF_BASE_MS,
     STEP_BACKOFF_CAP_MS,
@@ -235,7 +235,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     _node_move(step, "complete", run=run)
     run.save(update_fields=["credits_charged", "updated_at"])
     if run.gated:
-        pipeline.step_pins_record(run, step)
+        bookkeeping.step_pins_record(run, step)
     _after_step_done(run, step.task)
     return StepOutcome("completed", step.pk)
 
@@ -295,7 +295,7 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     step.last_error_code, step.last_error = code, message
     if cost:
         run.save(update_fields=["credits_charged", "updated_at"])
-    from runs.escalations import escalations_evaluate
+    from runs.services.escalations import escalations_evaluate
 
     uncapped = STEP_BACKOFF_BASE_MS * (2 ** max(0, step.tries_this_round - 1)) if retryable else None
     escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=STEP_BACKOFF_CAP_MS,

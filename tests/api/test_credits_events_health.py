@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from core.services import event_record
 from jobs.models import WorkerHeartbeat
-from runs import escalations
+from runs.services import escalations
 from runs.models import Run
 from tests.api.conftest import assert_error, create_run
 

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from runs.models import GateReceipt, PipelineKey, Run
-from runs.sidecar import sidecar_schema
+from runs.pipeline.sidecar import sidecar_schema
 from tests.api.conftest import assert_error
 from tests.drive import drain_jobs
 from tests.runs.test_gates import files, http_url, seed_002_plan, small_plan  # noqa: F401 (fixtures)

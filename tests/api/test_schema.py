@@ -98,7 +98,7 @@ def test_real_answers_match_the_schema(fuzz_tenant, keep_connection):
     """Successful and error answers of a real scenario, each checked against its operation."""
     from werkzeug.test import Client
 
-    from runs import escalations
+    from runs.services import escalations
     from runs.models import Run
     from tests.conftest import make_plan
 

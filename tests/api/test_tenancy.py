@@ -6,7 +6,7 @@ import pytest
 
 from core.models import Event
 from jobs.models import Job
-from runs import escalations
+from runs.services import escalations
 from runs.models import Run
 from tests.api.conftest import assert_error, create_run
 

@@ -12,7 +12,9 @@ from django.test import Client
 
 from jobs import registry
 from jobs.services import job_claim, job_enqueue
-from runs import escalations, gates, services
+from runs import services
+from runs.services import escalations
+from runs.pipeline import gates
 from runs.models import EscalationTicket, Run, Step
 from tests.conftest import make_plan
 

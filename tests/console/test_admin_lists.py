@@ -41,7 +41,7 @@ def incident_ids(django_db_setup, django_db_blocker):
     rolled back at the end): runs in several states, an escalation, an approval, a job."""
     from billing.services import organization_create
     from jobs.services import job_claim, job_enqueue
-    from runs import escalations
+    from runs.services import escalations
 
     with django_db_blocker.unblock(), transaction.atomic():
         _, project, _, _ = organization_create(name="incident", owner_username="incident-owner", credits=1_000)

@@ -15,7 +15,8 @@ from billing.models import CreditAccount
 from core.dashboard import dashboard_snapshot
 from jobs.models import WorkerHeartbeat
 from jobs.services import job_claim, job_complete, job_enqueue, job_fail
-from runs import escalations, services
+from runs import services
+from runs.services import escalations
 from runs.models import EscalationTicket, Run
 from tests.conftest import make_plan
 from tests.console.conftest import build_run

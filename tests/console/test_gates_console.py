@@ -17,7 +17,8 @@ from django.core.management.base import CommandError
 from django.urls import reverse
 
 from core.models import AuditRecord
-from runs import gates, services
+from runs import services
+from runs.pipeline import gates
 from runs.models import ContextPin, DriftRecord, PipelineKey, Run, Step
 from tests.console.test_actions import act, action_choices, reported
 

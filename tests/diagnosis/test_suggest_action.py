@@ -17,7 +17,8 @@ from diagnosis.analysis import suggestion_compute
 from diagnosis.models import Suggestion
 from diagnosis.services import suggestion_request
 from jobs.models import Job, JobState
-from runs import gates, services
+from runs import services
+from runs.pipeline import gates
 from runs.models import Run
 from tests.diagnosis.conftest import current_step, drill, echo, one_task_plan, running_run
 from tests.drive import drain_jobs
@@ -96,7 +97,7 @@ def test_spent_attempts_escalate_then_wait_for_the_ticket(project, fail_step):
     result = suggestion_compute(run_id=run.pk)
     assert (result.action, result.text) == (
         "escalate", "escalate: drill_fatal (permanent tool error (drill)), attempts exhausted (1 of 1)")
-    from runs import escalations
+    from runs.services import escalations
 
     ticket, _ = escalations.escalation_open(run=Run.objects.get(pk=run.pk), trigger="manual", detail="look")
     result = suggestion_compute(run_id=run.pk)

@@ -16,8 +16,9 @@ from billing.selectors import account_balance
 from core.errors import InvalidTransition, ValidationFailed
 from core.models import AuditRecord, Event
 from jobs.models import CommandRecord
-from runs import gates, services
-from runs.caps import caps_enforce
+from runs import services
+from runs.pipeline import gates
+from runs.services.caps import caps_enforce
 from runs.invariants import invariants_check
 from runs.models import (
     ApprovalRequest,
@@ -30,7 +31,7 @@ from runs.models import (
     Run,
     StepAttempt,
 )
-from runs.pipeline import DriftUnacknowledged, PipelineKeyInUse
+from runs.pipeline.bookkeeping import DriftUnacknowledged, PipelineKeyInUse
 from runs.plan import plan_validate
 from tests.drive import drain_jobs
 
@@ -173,10 +174,10 @@ def test_a_seed_002_pipeline_passes_every_gate_with_a_receipt_and_waits_at_both_
     assert [r.gate for r in receipts(run)] == ["IG_source_pin", "IG_mark", "IG_cutplan", "IG_backup",
                                                "IG_grant_probe"]
 
-    gates.approval_grant(run_id=run.pk, gate="SG_cut_authz", approval_ref="KB-CUT-1", reason="go")
+    services.approval_grant(run_id=run.pk, gate="SG_cut_authz", approval_ref="KB-CUT-1", reason="go")
     run = drive(run)
     assert run.status_reason == "awaiting_approval:SG_lifecycle_authz"
-    gates.approval_grant(run_id=run.pk, gate="SG_lifecycle_authz", approval_ref="KB-LIFE-1", reason="go")
+    services.approval_grant(run_id=run.pk, gate="SG_lifecycle_authz", approval_ref="KB-LIFE-1", reason="go")
     run = drive(run)
     assert run.status == Run.Status.COMPLETED
 
@@ -274,22 +275,22 @@ def test_a_pin_changed_between_gates_stops_the_run_until_acknowledged(project, f
     with pytest.raises(DriftUnacknowledged):
         services.run_resume(run_id=run.pk, actor=operator, reason="try")
     with pytest.raises(DriftUnacknowledged):
-        gates.pipeline_resume(run_id=run.pk, actor=operator, reason="try")
+        services.pipeline_resume(run_id=run.pk, actor=operator, reason="try")
     assert Run.objects.get(pk=run.pk).status == Run.Status.PAUSED
 
     with pytest.raises(ValidationFailed):
-        gates.drift_acknowledge(run_id=run.pk, actor=operator, reason=" ")
-    gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="v4 of the manifest is the one we want")
+        services.drift_acknowledge(run_id=run.pk, actor=operator, reason=" ")
+    services.drift_acknowledge(run_id=run.pk, actor=operator, reason="v4 of the manifest is the one we want")
     logged = [r.fields for r in caplog.records if getattr(r, "fields", {}).get("entity") == "drift"]
     assert [(f["drift_id"], f["from"], f["to"], f["dimension"]) for f in logged] == [
         (drift.pk, "open", "acknowledged", "manifest")]
-    with pytest.raises(gates.DriftNotPending):
-        gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="again")
+    with pytest.raises(services.DriftNotPending):
+        services.drift_acknowledge(run_id=run.pk, actor=operator, reason="again")
     pins = list(ContextPin.objects.filter(run=run, dimension="manifest").order_by("id"))
     assert [(p.value, p.source, p.superseded_at is None) for p in pins] == [(old, "start", False),
                                                                            (sha256(manifest), "acknowledged", True)]
     assert (pins[1].recorded_by, pins[1].reason) == (operator, "v4 of the manifest is the one we want")
-    result = gates.pipeline_resume(run_id=run.pk, actor=operator, reason="continue")
+    result = services.pipeline_resume(run_id=run.pk, actor=operator, reason="continue")
     assert result.outcome == "resumed"
     revalidated = GateReceipt.objects.get(run=run, kind="revalidation")
     assert (revalidated.gate, revalidated.passed) == ("IG_one", True)
@@ -307,12 +308,12 @@ def test_resume_finds_drift_while_stopped_and_stops_again(project, files, operat
     services.run_pause(run_id=run.pk, actor=operator, reason="look first")
     run = drive(run)
     manifest.write_text("changed while paused\n")
-    result = gates.pipeline_resume(run_id=run.pk, actor=operator, reason="go on")
+    result = services.pipeline_resume(run_id=run.pk, actor=operator, reason="go on")
     assert (result.outcome, result.run.status, result.run.status_reason) == (
         "stopped_drift", Run.Status.PAUSED, "stopped_drift:manifest")
     assert DriftRecord.objects.get(run=run).detected_before == "resume"
-    gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="expected change")
-    assert gates.pipeline_resume(run_id=run.pk, actor=operator, reason="go on").outcome == "resumed"
+    services.drift_acknowledge(run_id=run.pk, actor=operator, reason="expected change")
+    assert services.pipeline_resume(run_id=run.pk, actor=operator, reason="go on").outcome == "resumed"
     assert drive(run).status == Run.Status.COMPLETED
 
 
@@ -325,13 +326,13 @@ def test_a_last_passed_gate_that_no_longer_holds_stops_the_resume(project, files
     services.run_pause(run_id=run.pk, actor=operator, reason="hold")
     run = drive(run)
     backup.write_bytes(b"tampered")
-    result = gates.pipeline_resume(run_id=run.pk, actor=operator, reason="go")
+    result = services.pipeline_resume(run_id=run.pk, actor=operator, reason="go")
     assert (result.outcome, result.run.status_reason) == ("stopped_drift", "stopped_drift:gate:IG_one")
     drift = DriftRecord.objects.get(run=run)
     assert (drift.kind, drift.recorded, drift.live) == ("invariant", {"file_readable": True, "sha256_matches": True},
                                                         {"file_readable": True, "sha256_matches": False})
-    gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="restored from the second copy")
-    assert gates.pipeline_resume(run_id=run.pk, actor=operator, reason="go").outcome == "resumed"
+    services.drift_acknowledge(run_id=run.pk, actor=operator, reason="restored from the second copy")
+    assert services.pipeline_resume(run_id=run.pk, actor=operator, reason="go").outcome == "resumed"
     assert drive(run).status == Run.Status.COMPLETED
 
 
@@ -364,22 +365,22 @@ def test_resume_leaves_a_completed_run_refuses_a_failed_one_and_changes_nothing_
     done = drive(start(project, small_plan(manifest)))
     assert done.status == Run.Status.COMPLETED
     events = Event.objects.filter(run_id=done.pk).count()
-    assert gates.pipeline_resume(run_id=done.pk, actor=operator, reason="again").outcome == "nothing"
+    assert services.pipeline_resume(run_id=done.pk, actor=operator, reason="again").outcome == "nothing"
     assert Event.objects.filter(run_id=done.pk).count() == events
 
     failed = drive(start(project, small_plan(manifest, middle=check("IG_bad", "expect", value=1, equals=2))))
     with pytest.raises(InvalidTransition) as refused:
-        gates.pipeline_resume(run_id=failed.pk, actor=operator, reason="please")
+        services.pipeline_resume(run_id=failed.pk, actor=operator, reason="please")
     assert "retry it (a new attempt) or void it" in refused.value.detail
 
     paused = drive(start(project, small_plan(manifest, middle={"name": "long", "tool": "sleep",
                                                                 "args": {"seconds": 0.3}})),
                    until=lambda r: GateReceipt.objects.filter(run=r, gate="IG_one").exists())
     services.run_pause(run_id=paused.pk, actor=operator, reason="hold")
-    first = gates.pipeline_resume(run_id=paused.pk, actor=operator, reason="go")
+    first = services.pipeline_resume(run_id=paused.pk, actor=operator, reason="go")
     events = Event.objects.filter(run_id=paused.pk).count()
     audits = AuditRecord.objects.filter(run_id=paused.pk).count()
-    second = gates.pipeline_resume(run_id=paused.pk, actor=operator, reason="go")
+    second = services.pipeline_resume(run_id=paused.pk, actor=operator, reason="go")
     assert (first.outcome, second.outcome) == ("resumed", "nothing")
     assert Event.objects.filter(run_id=paused.pk).count() == events
     assert AuditRecord.objects.filter(run_id=paused.pk).count() == audits
@@ -391,14 +392,14 @@ def test_resuming_a_run_awaiting_approval_needs_a_valid_approval(project, files,
     plan = small_plan(manifest, middle={"name": "ask", "kind": "approval", "gate": "SG_go"})
     run = drive(start(project, plan))
     assert run.status_reason == "awaiting_approval:SG_go"
-    with pytest.raises(gates.ApprovalRequired):
-        gates.pipeline_resume(run_id=run.pk, actor=operator, reason="no approval")
-    with pytest.raises(gates.ApprovalNotPending):
-        gates.pipeline_resume(run_id=run.pk, actor=operator, reason="wrong gate", gate="SG_other",
+    with pytest.raises(services.ApprovalRequired):
+        services.pipeline_resume(run_id=run.pk, actor=operator, reason="no approval")
+    with pytest.raises(services.ApprovalNotPending):
+        services.pipeline_resume(run_id=run.pk, actor=operator, reason="wrong gate", gate="SG_other",
                               approval_ref="KB-1")
-    result = gates.pipeline_resume(run_id=run.pk, actor=operator, reason="approved", approval_ref="KB-1")
+    result = services.pipeline_resume(run_id=run.pk, actor=operator, reason="approved", approval_ref="KB-1")
     assert (result.outcome, result.run.status) == ("approved", Run.Status.RESUMING)
-    assert gates.pipeline_resume(run_id=run.pk, actor=operator, reason="approved",
+    assert services.pipeline_resume(run_id=run.pk, actor=operator, reason="approved",
                                  approval_ref="KB-1").outcome == "nothing"
     assert drive(run).status == Run.Status.COMPLETED
     assert ApprovalRequest.objects.get(run=run).approval_ref == "KB-1"
@@ -417,7 +418,7 @@ def test_a_step_overrunning_its_phase_soft_cap_stops_and_escalates(project, file
     assert "phase phase_two" in ticket.detail and "soft cap of 0.005 min" in ticket.detail
     assert PhaseRecord.objects.get(run=run, name="phase_two").cap_escalated_at is not None
     # an operator looks, then lets it go on: the cap does not fire twice
-    assert gates.pipeline_resume(run_id=run.pk, actor=operator, reason="slow disk, fine").outcome == "resumed"
+    assert services.pipeline_resume(run_id=run.pk, actor=operator, reason="slow disk, fine").outcome == "resumed"
     assert drive(run).status == Run.Status.COMPLETED
     assert EscalationTicket.objects.filter(run=run).count() == 1
 
@@ -429,7 +430,7 @@ def test_the_hard_cap_counts_running_time_only_and_stops_a_running_run(project, 
     run = drive(start(project, plan))
     assert run.status_reason == "awaiting_approval:SG_go"
     assert caps_enforce(run_id=run.pk, now=timezone.now() + timedelta(hours=5)) is None  # waiting is not running
-    gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-9", actor=operator, reason="go")
+    services.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-9", actor=operator, reason="go")
     services.run_mark_running(run_id=run.pk)
     assert caps_enforce(run_id=run.pk, now=timezone.now() + timedelta(seconds=30)) is None
     assert caps_enforce(run_id=run.pk, now=timezone.now() + timedelta(minutes=2)) == "hard_cap"
@@ -445,7 +446,7 @@ def test_a_second_cap_while_the_first_caps_ticket_is_open_is_added_to_that_ticke
     plan["agents"][0]["tasks"][1]["soft_cap_minutes"] = 0.005  # 0.3 s
     run = drive(start(project, plan))
     assert run.status_reason == "stop_and_escalate:soft_cap:phase_two"
-    gates.pipeline_resume(run_id=run.pk, actor=operator, reason="slow disk, fine")
+    services.pipeline_resume(run_id=run.pk, actor=operator, reason="slow disk, fine")
     services.run_mark_running(run_id=run.pk)
     assert caps_enforce(run_id=run.pk, now=timezone.now() + timedelta(minutes=2)) == "hard_cap"
     assert Run.objects.get(pk=run.pk).status_reason == "stop_and_escalate:hard_cap"
@@ -499,7 +500,7 @@ def test_the_drift_of_a_voided_run_cannot_be_accepted_any_more(project, files, o
     assert run.status_reason == "stopped_drift:manifest"
     services.run_void(run_id=run.pk, actor=operator, reason="wrong manifest")
     with pytest.raises(InvalidTransition, match="only a paused run's drift can be accepted"):
-        gates.drift_acknowledge(run_id=run.pk, actor=operator, reason="too late")
+        services.drift_acknowledge(run_id=run.pk, actor=operator, reason="too late")
     assert DriftRecord.objects.get(run=run).status == "open"
     assert ContextPin.objects.filter(run=run, source="acknowledged").count() == 0
 
@@ -572,18 +573,18 @@ def test_an_approval_reference_of_an_earlier_attempt_is_refused_and_a_new_one_ap
     plan["agents"][0]["tasks"][2]["steps"] = [check("IG_three", "file_digest", path=str(backup),
                                                     sha256=sha256(backup))]
     run = drive(start(project, plan))
-    gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="go")
+    services.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="go")
     backup.write_bytes(b"tampered")
     assert drive(run).last_error_code == "gate_failed:IG_three"
     backup.write_bytes(b"encrypted backup")
     services.run_retry(run_id=run.pk, actor=operator, reason="backup restored")
     run = drive(run)
     assert (run.attempt_number, run.status_reason) == (2, "awaiting_approval:SG_go")
-    with pytest.raises(gates.ApprovalReused) as refused:
-        gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="again")
+    with pytest.raises(services.ApprovalReused) as refused:
+        services.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-7", actor=operator, reason="again")
     assert refused.value.extra["attempt"] == 1
     assert Run.objects.get(pk=run.pk).status == Run.Status.PAUSED
-    request = gates.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-8", actor=operator, reason="go")
+    request = services.approval_grant(run_id=run.pk, gate="SG_go", approval_ref="KB-8", actor=operator, reason="go")
     assert (request.attempt_number, request.approval_ref) == (2, "KB-8")
     assert drive(run).status == Run.Status.COMPLETED
     assert invariants_check() == []
@@ -600,7 +601,7 @@ def test_approvals_log_their_transitions_and_a_cancel_voids_a_pending_approval(
     manifest, _ = files
     plan = small_plan(manifest, middle={"name": "ask", "kind": "approval", "gate": "SG_go"})
     approved = drive(start(project, plan))
-    gates.approval_grant(run_id=approved.pk, gate="SG_go", approval_ref="KB-log", actor=operator, reason="go")
+    services.approval_grant(run_id=approved.pk, gate="SG_go", approval_ref="KB-log", actor=operator, reason="go")
     drifted = drive(start(project, plan))
     services.run_cancel(run_id=drifted.pk, actor=operator, reason="wrong manifest")
     cancelled = Run.objects.get(pk=drifted.pk)

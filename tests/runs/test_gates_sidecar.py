@@ -11,7 +11,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from runs.sidecar import sidecar_build, sidecar_schema
+from runs.pipeline.sidecar import sidecar_build, sidecar_schema
 from tests.runs.test_gates import check, drive, files, sha256, small_plan, start  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,9 +57,9 @@ def test_the_sidecar_of_runs_stopped_for_approval_and_on_drift(project, files, o
                      until=lambda r: r.gate_receipts.filter(gate="IG_one").exists())
     manifest.write_text("moved on\n")
     drifting = drive(drifting)
-    from runs import gates
+    from runs import services
 
-    gates.drift_acknowledge(run_id=drifting.pk, actor=operator, reason="accepted")
+    services.drift_acknowledge(run_id=drifting.pk, actor=operator, reason="accepted")
     document = valid(sidecar_build(drifting))
     assert document["status_reason"] == "stopped_drift:manifest"
     assert document["drift"][0]["status"] == "acknowledged" and document["drift"][0]["acknowledged_by"] == "op"

@@ -9,7 +9,7 @@ from django.core.management.base import CommandError
 
 from core.management.base import RunbookCommand, positive_id
 from runs.models import Run
-from runs.sidecar import sidecar_build, sidecar_schema
+from runs.pipeline.sidecar import sidecar_build, sidecar_schema
 
 
 class Command(RunbookCommand):

@@ -15,8 +15,20 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import Conflict
-from runs.models import NodeStatus, PhaseRecord, PipelineKey, Run, RunAttempt, Step, Task
-from runs.pins import pins_record
+from core.services import event_record
+from runs.models import (
+    DriftRecord,
+    GateReceipt,
+    NodeStatus,
+    PhaseRecord,
+    PipelineKey,
+    Run,
+    RunAttempt,
+    Step,
+    StepAttempt,
+    Task,
+)
+from runs.pipeline.pins import Drift, pins_record
 from runs.plan import plan_step_spec, plan_task_spec
 
 # Seed 002 §6: soft caps of the seed's phases (minutes) and the run's hard cap.
@@ -199,3 +211,39 @@ def pipeline_keys_release(run: Run, *, reason: str) -> list[str]:
     PipelineKey.objects.filter(run=run, released_at__isnull=True).update(released_at=timezone.now(),
                                                                           released_reason=reason)
     return keys
+
+
+def _receipt_output(receipt: dict) -> dict:
+    return {"gate": receipt["gate"], "check": receipt["check"], "passed": receipt["passed"],
+            "invariants": receipt["invariants"], "details": receipt["details"]}
+
+
+def _receipt_create(run: Run, step: Step, attempt: StepAttempt | None, receipt: dict,
+                    kind: str = GateReceipt.Kind.GATE) -> GateReceipt:
+    record = GateReceipt.objects.create(
+        run=run, attempt_number=run.attempt_number, phase=phase_of_step(step), step=step, step_attempt=attempt,
+        kind=kind, gate=receipt["gate"], check_name=receipt["check"], args=receipt["args"],
+        invariants=receipt["invariants"], details=receipt["details"], passed=receipt["passed"], mode=run.mode,
+        pins=receipt["pins"], started_at=receipt["started_at"], finished_at=receipt["finished_at"])
+    if kind == GateReceipt.Kind.REVALIDATION:
+        event_type = "gate_revalidated"
+    else:
+        event_type = "gate_passed" if record.passed else "gate_failed"
+    event_record(type=event_type, organization_id=run.organization_id,
+                 project_id=run.project_id, run_id=run.pk,
+                 payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
+                          "receipt": record.pk, "passed": record.passed, "invariants": record.invariants,
+                          "phase": record.phase.name if record.phase else None})
+    return record
+
+
+def _drift_records(run: Run, drifts: list[Drift], *, before: str, kind: str = DriftRecord.Kind.PIN) -> list:
+    now = timezone.now()
+    records = [DriftRecord.objects.create(run=run, attempt_number=run.attempt_number, kind=kind,
+                                          dimension=d.dimension, recorded=d.recorded, live=d.live,
+                                          detected_before=before, detected_at=now) for d in drifts]
+    event_record(type="run_drift_detected", organization_id=run.organization_id, project_id=run.project_id,
+                 run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
+                     {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
+    return records
+

@@ -15,8 +15,15 @@ from django.utils.html import format_html, format_html_join
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import RunbookForm, operator_permission, recent_filter
 from runs import runbooks
-from runs.models import ContextPin, DriftRecord, GateReceipt, PhaseRecord, PipelineKey, Run
-from runs.sidecar import sidecar_json
+from runs.models import (
+    ContextPin,
+    DriftRecord,
+    GateReceipt,
+    PhaseRecord,
+    PipelineKey,
+    Run,
+)
+from runs.pipeline.sidecar import sidecar_json
 
 
 class ResumeForm(RunbookForm):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 from django.conf import settings
 from django.utils import timezone
 
-from runs.checks import file_sha256, path_errors
+from runs.pipeline.checks import file_sha256, path_errors
 
 DIMENSION_PATTERN = re.compile(r"^[A-Za-z0-9_.\-]{1,100}$")
 
