@@ -7,7 +7,7 @@ class RunsConfig(AppConfig):
 
     def ready(self):
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
-        from runs import execution, services
+        from runs import execution, services, tools  # noqa: F401  (tools: registers the built-in tools)
         from runs.reaper import run_heartbeat_hook, runs_reap
 
         if execution.run_dispatch not in services.RUN_DISPATCHERS:

@@ -31,7 +31,7 @@ from jobs.services import job_enqueue
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
 from runs.pipeline.gates import gate_execute
-from runs.tools import tool_get
+from jobs.tools import tool_get
 
 logger = logging.getLogger("orchestrator.runs")
 

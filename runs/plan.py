@@ -17,7 +17,7 @@ from core.errors import ValidationFailed
 from runs.models import FailureMode, ParallelismMode, Step
 from runs.pipeline.checks import CHECKS
 from runs.pipeline.pins import pins_spec_errors
-from runs.tools import tool_get, tool_names
+from jobs.tools import tool_get, tool_names
 
 FAILURE_MODES = {choice.value for choice in FailureMode}
 AGENT_TASK_MODES = {choice.value for choice in ParallelismMode}

@@ -31,6 +31,7 @@ from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
 from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import JobCancelled, JobTimeout, classify_default
+from jobs.tools import ToolCancelled, ToolContext, classify_exception, tool_get
 
 logger = logging.getLogger("orchestrator.commands")
 
@@ -212,8 +213,6 @@ def _classify(kind: str, exc: BaseException) -> tuple[bool, str, str]:
     if isinstance(exc, AdapterError):
         return exc.retryable, exc.code, str(exc)
     if kind == CommandKind.INVOKE_TOOL:
-        from runs.tools import classify_exception
-
         return classify_exception(exc)
     retryable = classify_default(exc) == "retryable"
     return retryable, "retryable_error" if retryable else "fatal_error", f"{type(exc).__name__}: {exc}"
@@ -222,8 +221,6 @@ def _classify(kind: str, exc: BaseException) -> tuple[bool, str, str]:
 def _tool_invoke(args: dict, *, key: str, attempt: int, should_stop: Callable[[], bool] | None,
                  project_id: int | None = None) -> Any:
     """Run a registered tool with the command's idempotency key (the tool must honour it)."""
-    from runs.tools import ToolCancelled, ToolContext, tool_get
-
     tool = tool_get(args["tool"])
     if tool is None:
         raise AdapterError(f"tool {args['tool']!r} is not registered", code="unknown_tool")

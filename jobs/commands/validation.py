@@ -13,6 +13,7 @@ from typing import Any
 
 from core.errors import ValidationFailed
 from jobs.models import CommandKind
+from jobs.tools import tool_get
 
 WRITE_COMMANDS = frozenset(CommandKind.values)
 READ_OPERATIONS = frozenset({"deployment_list", "deployment_get", "order_list", "order_get"})
@@ -132,8 +133,6 @@ def command_args_validate(kind: Any, args: Any) -> dict:
 
 
 def _tool_args(args: dict, errors: dict) -> dict:
-    from runs.tools import tool_get  # jobs does not import runs at module load
-
     _no_extra(args, {"tool", "args"}, errors)
     name = args.get("tool")
     tool_args = args.get("args", {})

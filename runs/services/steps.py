@@ -39,7 +39,7 @@ from runs.services.common import (
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
-from runs.tools import tool_get
+from jobs.tools import tool_get
 
 
 def step_backoff_ms(tries_done: int, *, rng: random.Random | None = None) -> int:

@@ -32,7 +32,7 @@ from jobs.models import (
     Order,
 )
 from jobs.services import job_claim, job_enqueue
-from runs import tools
+from jobs import tools
 
 COMMAND_EVENTS = ("command_recorded", "command_succeeded", "command_failed")
 
