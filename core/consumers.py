@@ -21,6 +21,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
 from core.relay import Relay, Subscriber, envelope, events_after
+from core.scopes import event_scope_organization
 
 logger = logging.getLogger("orchestrator.relay")
 
@@ -44,20 +45,12 @@ def _user_from_token(key: str):
 
 def _access(user, scope: str, object_id) -> tuple[bool, str, int | None]:
     """May ``user`` watch this scope? Returns (allowed, group, organization)."""
-    from core.models import Organization, Project
-    from runs.models import Run
-
     sees_all = user.is_staff and user.has_perm("core.view_event")
     if scope == "all":
         return sees_all, "all", None
     if isinstance(object_id, bool) or not isinstance(object_id, int):
         return False, "", None
-    if scope == "run":
-        organization = Run.objects.filter(pk=object_id).values_list("organization_id", flat=True).first()
-    elif scope == "project":
-        organization = Project.objects.filter(pk=object_id).values_list("organization_id", flat=True).first()
-    else:
-        organization = Organization.objects.filter(pk=object_id).values_list("pk", flat=True).first()
+    organization = event_scope_organization(scope, object_id)
     if organization is None:
         return False, "", None
     allowed = sees_all or user.memberships.filter(organization_id=organization).exists()

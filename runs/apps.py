@@ -6,9 +6,14 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self):
+        from core.scopes import event_scope_register
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
         from runs import execution, services, tools  # noqa: F401  (tools: registers the built-in tools)
+        from runs.models import Run
         from runs.reaper import run_heartbeat_hook, runs_reap
+
+        event_scope_register(
+            "run", lambda pk: Run.objects.filter(pk=pk).values_list("organization_id", flat=True).first())
 
         if execution.run_dispatch not in services.RUN_DISPATCHERS:
             services.RUN_DISPATCHERS.append(execution.run_dispatch)

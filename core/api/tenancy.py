@@ -16,6 +16,7 @@ from drf_spectacular.utils import extend_schema_field
 
 from core.errors import NotFound
 from core.models import Membership, Project
+from core.scopes import event_scope_organization
 
 MAX_ID = 2**63 - 1
 _CACHE_ATTRIBUTE = "_orchestrator_organization_ids"
@@ -68,11 +69,13 @@ def visible_project(request, pk: Any) -> Project:
 
 @extend_schema_field(OpenApiTypes.INT)
 class VisibleIdFilter(django_filters.Filter):
-    """Filter by the id of an object the caller must be able to see (else ``404 not_found``)."""
+    """Filter by the id of an object the caller must be able to see (else ``404 not_found``): an
+    object of ``queryset(request)``, or, for an object of an app above this one, of the event scope
+    ``entity`` (``core.scopes``: its organization is one of the caller's)."""
 
     field_class = forms.IntegerField
 
-    def __init__(self, *args, entity: str, queryset: Callable[[Any], QuerySet], **kwargs):
+    def __init__(self, *args, entity: str, queryset: Callable[[Any], QuerySet] | None = None, **kwargs):
         kwargs.setdefault("min_value", 1)
         kwargs.setdefault("max_value", MAX_ID)
         super().__init__(*args, **kwargs)
@@ -83,7 +86,11 @@ class VisibleIdFilter(django_filters.Filter):
         if value in (None, ""):
             return qs
         request = self.parent.request
-        if not self.visible_queryset(request).filter(pk=value).exists():
+        if self.visible_queryset is not None:
+            seen = self.visible_queryset(request).filter(pk=value).exists()
+        else:
+            seen = event_scope_organization(self.entity, value) in organization_ids(request)
+        if not seen:
             raise NotFound(f"{self.entity} {value} does not exist")
         return qs.filter(**{self.field_name: value})
 
