@@ -343,12 +343,18 @@ SPECTACULAR_SETTINGS = {
     },
 }
 # Requests per authenticated caller and per address of callers without valid credentials
-# ("600/minute", "20/s"; empty: no limit), counted atomically in the database or in Redis
-# (core/ratelimit.py). The defaults leave a program room (20 requests/s sustained) and stop a
+# ("600/minute", "20/s"; empty: no limit) in any window of that length (a sliding window),
+# counted atomically in the database or in Redis (core/ratelimit.py). Failed WebSocket token
+# and /metrics token attempts count against the address's limit too, and once it is spent the
+# next attempts are refused before any token is checked. The defaults leave a program room (20 requests/s sustained) and stop a
 # runaway loop or a token guesser. Idempotency keys live 24 h; a request that crashed leaves its key in
 # flight for at most the in-flight timeout.
 ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "1200/minute")
 ORCHESTRATOR_API_ANON_RATE = env_str("ORCHESTRATOR_API_ANON_RATE", "120/minute")
+# Failed admin logins per username and per address in any window of that length; past either,
+# the login form asks to wait and checks no password.
+ORCHESTRATOR_LOGIN_USERNAME_FAILURES = env_str("ORCHESTRATOR_LOGIN_USERNAME_FAILURES", "5/15m")
+ORCHESTRATOR_LOGIN_ADDRESS_FAILURES = env_str("ORCHESTRATOR_LOGIN_ADDRESS_FAILURES", "20/15m")
 ORCHESTRATOR_RATE_LIMIT_STORE = env_str("ORCHESTRATOR_RATE_LIMIT_STORE", "redis" if REDIS_URL else "database")
 if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_RATE_LIMIT_STORE == "redis"
                                                                    and not REDIS_URL):
