@@ -250,3 +250,45 @@ def rate_limit_prune(*, now: float | None = None, batch: int = 5000) -> int:
         return 0
     deleted, _ = RateLimitCounter.objects.filter(pk__in=ids).delete()
     return deleted
+
+
+# --- failed authentication ---------------------------------------------------------------------
+
+def client_address(meta) -> str:
+    """The client's address from a request's ``META`` (or an equivalent mapping): the
+    connection's own, or the one the n-th trusted proxy put into ``X-Forwarded-For``
+    (``ORCHESTRATOR_TRUSTED_PROXIES``), exactly as the API's limits key on it."""
+    from types import SimpleNamespace
+
+    from django.http.request import HttpHeaders
+    from rest_framework.throttling import BaseThrottle
+
+    request = SimpleNamespace(META=meta, headers=HttpHeaders(meta))
+    return BaseThrottle().get_ident(request) or "unknown"
+
+
+def _address_failure_rate() -> Rate | None:
+    return rate_parse(settings.ORCHESTRATOR_API_ANON_RATE or settings.ORCHESTRATOR_API_RATE)
+
+
+def auth_failures_refusal(address: str) -> Decision | None:
+    """The refusal when ``address`` has spent its allowance of failed authentications (the API's
+    per-address limit, ``ip:<address>``, shared with the API), else None. Call it before checking
+    a token: a refused attempt checks nothing."""
+    rate = _address_failure_rate()
+    if rate is None:
+        return None
+    decision = rate_limit_peek(f"ip:{address}", rate)
+    return None if decision.allowed else decision
+
+
+def auth_failure_record(address: str) -> None:
+    """Count one failed authentication of ``address`` (after a token was checked and refused)."""
+    rate = _address_failure_rate()
+    if rate is not None:
+        rate_limit_hit(f"ip:{address}", rate)
+
+
+def retry_after_text(seconds: int) -> str:
+    """``45`` → "45 seconds", ``600`` → "10 minutes"."""
+    return f"{seconds} seconds" if seconds < 120 else f"{math.ceil(seconds / 60)} minutes"
