@@ -339,3 +339,70 @@ def test_a_socket_may_hold_only_so_many_subscriptions(tenant, settings):
         await communicator.disconnect()
 
     asyncio.run(scenario())
+
+
+# --- failed token authentication (WebSocket, /metrics) ---------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_failed_websocket_token_attempts_lock_the_address_before_any_token_is_checked(tenant, settings, clock,
+                                                                                    monkeypatch):
+    from core import consumers
+    from orchestrator_site.asgi import application
+
+    settings.ORCHESTRATOR_API_ANON_RATE = "3/minute"
+    checked: list[str] = []
+    real = consumers._user_from_token
+    monkeypatch.setattr(consumers, "_user_from_token", lambda key: checked.append(key) or real(key))
+
+    async def attempt(address: str, token):
+        communicator = WebsocketCommunicator(application, "/ws/events/", headers=[(b"origin", b"http://localhost")])
+        communicator.scope["client"] = (address, 50000)
+        connected, _ = await communicator.connect()
+        assert connected
+        await communicator.send_json_to({"action": "auth", "token": token})
+        first = await communicator.receive_output(timeout=5)
+        if first["type"] == "websocket.close":
+            return first["code"], None
+        message = __import__("json").loads(first["text"])
+        if message["type"] == "hello":
+            await communicator.disconnect()
+            return "hello", message
+        closed = await communicator.receive_output(timeout=5)
+        return closed["code"], message
+
+    async def scenario():
+        for guess in ("guess-1", "guess-2", 12345):  # a token that is not even a string counts too
+            assert (await attempt("203.0.113.9", guess))[0] == 4401
+        assert len(checked) == 2
+        code, message = await attempt("203.0.113.9", tenant.token)  # the right token, from that address
+        assert code == 4429 and message["code"] == "rate_limited" and message["retry_after"] == 61
+        assert len(checked) == 2  # refused without being checked
+        assert (await attempt("198.51.100.7", tenant.token))[0] == "hello"  # another address
+
+    asyncio.run(scenario())
+    # The address's allowance is the API's: failures on one count on the other.
+    assert_error(APIClient(REMOTE_ADDR="203.0.113.9").get("/api/v1/runs/"), 429, "rate_limited")
+    clock["t"] = WINDOW_START + 66
+    assert asyncio.run(attempt("203.0.113.9", tenant.token))[0] == "hello"
+
+
+def test_failed_metrics_tokens_lock_the_address_before_any_token_is_compared(db, settings, clock, monkeypatch):
+    from django.test import Client
+
+    settings.ORCHESTRATOR_METRICS_TOKEN = "the-metrics-token"
+    settings.ORCHESTRATOR_API_ANON_RATE = "3/minute"
+    compared: list[str] = []
+    monkeypatch.setattr("core.metrics.hmac", __import__("types").SimpleNamespace(
+        compare_digest=lambda given, expected: compared.append(given) or given == expected))
+    guesser = Client(REMOTE_ADDR="203.0.113.9")
+    for guess in range(3):
+        response = guesser.get("/metrics", HTTP_AUTHORIZATION=f"Bearer guess-{guess}")
+        assert response.status_code == 401 and response.json()["code"] == "authentication_failed"
+    response = guesser.get("/metrics", HTTP_AUTHORIZATION="Bearer the-metrics-token")
+    assert response.status_code == 429 and response.json()["code"] == "rate_limited"
+    assert response["Retry-After"] == "61" and response.json()["retry_after"] == 61
+    assert len(compared) == 3  # the fourth token was never compared
+    assert Client(REMOTE_ADDR="198.51.100.7").get(
+        "/metrics", HTTP_AUTHORIZATION="Bearer the-metrics-token").status_code == 200
+    clock["t"] = WINDOW_START + 66
+    assert guesser.get("/metrics", HTTP_AUTHORIZATION="Bearer the-metrics-token").status_code == 200
