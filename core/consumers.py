@@ -2,7 +2,10 @@
 
 Protocol (JSON messages):
 - authenticate with the session cookie, or send ``{"action": "auth", "token": "<api token>"}``
-  first (never in the URL); unauthenticated sockets are closed with code 4401;
+  first (never in the URL); unauthenticated sockets are closed with code 4401. A wrong token
+  counts as a failed authentication of the client's address, as on the API; once the address
+  has spent its allowance an ``auth`` is answered ``{"type": "error", "code": "rate_limited",
+  "retry_after": s}`` and the socket closed with code 4429, without the token being checked;
 - ``{"action": "subscribe", "run": id}`` (or ``"project"``, ``"organization"``, or
   ``"all": true`` for staff), optionally with ``"after": <event id>``: events after that id are
   replayed from the database, then the stream goes live, in id order, without gaps or duplicates;
@@ -20,12 +23,14 @@ from channels.db import database_sync_to_async as sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from core.ratelimit import auth_failure_record, auth_failures_refusal, client_address, retry_after_text
 from core.relay import Relay, Subscriber, envelope, events_after
 from core.scopes import event_scope_organization
 
 logger = logging.getLogger("orchestrator.relay")
 
 CLOSE_UNAUTHENTICATED = 4401
+CLOSE_RATE_LIMITED = 4429
 AUTH_TIMEOUT_S = 10
 SCOPES = ("run", "project", "organization")
 
@@ -106,9 +111,16 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if action == "auth":
             if self.user is not None:
                 return await self.send_json({"type": "hello", "user": self.user.get_username()})
+            address = self._client_address()
+            refusal = await sync_to_async(auth_failures_refusal)(address)
+            if refusal is not None:
+                await self._error("rate_limited", "too many failed authentications from this address; try again "
+                                  f"in {retry_after_text(refusal.retry_after_s)}", retry_after=refusal.retry_after_s)
+                return await self.close(code=CLOSE_RATE_LIMITED)
             token = content.get("token")
             user = await sync_to_async(_user_from_token)(token) if isinstance(token, str) and token else None
             if user is None:
+                await sync_to_async(auth_failure_record)(address)
                 return await self.close(code=CLOSE_UNAUTHENTICATED)
             return await self._authenticated(user)
         if self.user is None:
@@ -120,6 +132,15 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if action == "ping":
             return await self.send_json({"type": "pong", "cursor": self.relay.cursor})
         return await self._error("bad_message", f"unknown action {action!r}")
+
+    def _client_address(self) -> str:
+        """The client's address, as the API's limits see it (trusted proxies included)."""
+        client = self.scope.get("client") or ("", 0)
+        meta = {"REMOTE_ADDR": client[0] or ""}
+        forwarded = [value for name, value in self.scope.get("headers", []) if name.lower() == b"x-forwarded-for"]
+        if forwarded:
+            meta["HTTP_X_FORWARDED_FOR"] = b",".join(forwarded).decode("latin-1")
+        return client_address(meta)
 
     async def _error(self, code: str, detail: str, **extra):
         await self.send_json({"type": "error", "code": code, "detail": detail, **extra})

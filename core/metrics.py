@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from core.models import Event, MetricDelta, MetricTotal
+from core.ratelimit import auth_failure_record, auth_failures_refusal, client_address, retry_after_text
 
 logger = logging.getLogger("orchestrator.metrics")
 
@@ -439,19 +440,30 @@ def _bearer_token(request) -> str | None:
     return token.strip()
 
 
-def metrics_access(request) -> tuple[int, str, str] | None:
-    """None when the request may read the metrics, else ``(status, code, detail)``."""
+def metrics_access(request) -> tuple[int, str, str, dict] | None:
+    """None when the request may read the metrics, else ``(status, code, detail, extra fields)``.
+
+    A wrong token counts as a failed authentication of the client's address, as on the API;
+    once the address has spent its allowance, a token is refused (429) without being compared.
+    """
     token = _bearer_token(request)
     expected = settings.ORCHESTRATOR_METRICS_TOKEN
     if token is not None:
+        address = client_address(request.META)
+        refusal = auth_failures_refusal(address)
+        if refusal is not None:
+            return 429, "rate_limited", (f"too many failed authentications from this address; try again in "
+                                         f"{retry_after_text(refusal.retry_after_s)}"), {
+                "retry_after": refusal.retry_after_s}
         if expected and hmac.compare_digest(token.encode(), expected.encode()):
             return None
-        return 401, "authentication_failed", "the metrics token is wrong (or ORCHESTRATOR_METRICS_TOKEN is not set)"
+        auth_failure_record(address)
+        return 401, "authentication_failed", "the metrics token is wrong (or ORCHESTRATOR_METRICS_TOKEN is not set)", {}
     user = getattr(request, "user", None)
     if user is None or not user.is_authenticated:
-        return 401, "not_authenticated", "send Authorization: Bearer <ORCHESTRATOR_METRICS_TOKEN> or sign in as staff"
+        return 401, "not_authenticated", "send Authorization: Bearer <ORCHESTRATOR_METRICS_TOKEN> or sign in as staff", {}
     if not (user.is_active and user.is_staff):
-        return 403, "permission_denied", "only staff users may read the metrics"
+        return 403, "permission_denied", "only staff users may read the metrics", {}
     return None
 
 
@@ -459,10 +471,12 @@ def metrics_view(request):
     """``GET /metrics``: the Prometheus text exposition (token or staff session)."""
     refused = metrics_access(request)
     if refused is not None:
-        status, code, detail = refused
-        response = JsonResponse({"code": code, "detail": detail}, status=status)
+        status, code, detail, extra = refused
+        response = JsonResponse({"code": code, "detail": detail, **extra}, status=status)
         if status == 401:
             response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        if status == 429:
+            response["Retry-After"] = str(extra["retry_after"])
         return response
     if request.method not in ("GET", "HEAD"):
         response = JsonResponse({"code": "method_not_allowed", "detail": f"{request.method} is not allowed"},

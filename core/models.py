@@ -190,10 +190,12 @@ class MetricTotal(models.Model):
 
 
 class RateLimitCounter(models.Model):
-    """Requests of one principal (``user:<id>`` or ``ip:<address>``) in one fixed window.
+    """Admitted requests of one principal (``user:<id>``, ``ip:<address>`` ...) in one bucket
+    (a tenth of its limit's period) of its sliding window (``core.ratelimit``).
 
-    Incremented with one ``INSERT ... ON CONFLICT DO UPDATE SET count = count + 1`` statement
-    (atomic, never read-then-write); windows that ended are pruned.
+    The row at the epoch is the key's anchor: its row lock makes the decisions on one key take
+    turns, so a read of the buckets and the upsert of the current one are never interleaved with
+    another's. Buckets that left every window are pruned.
     """
 
     id = models.BigAutoField(primary_key=True)

@@ -302,12 +302,11 @@ class RateLimitStep(Step):
 
     def queryset(self, now):
         from core.models import RateLimitCounter
-        from core.ratelimit import rate_parse
+        from core.ratelimit import rate_limit_longest_period_s
 
-        longest = max((rate.period_s for rate in (rate_parse(settings.ORCHESTRATOR_API_RATE),
-                                                  rate_parse(settings.ORCHESTRATOR_API_ANON_RATE)) if rate),
-                      default=0)
-        return RateLimitCounter.objects.filter(window_start__lt=now - timedelta(seconds=max(longest, 60)))
+        # A window reaches back its period and one bucket (a tenth of it) more.
+        kept_s = max(rate_limit_longest_period_s() * 11 // 10 + 1, 60)
+        return RateLimitCounter.objects.filter(window_start__lt=now - timedelta(seconds=kept_s))
 
 
 class WorkerStep(Step):

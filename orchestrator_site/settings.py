@@ -8,6 +8,8 @@ Every variable is documented in the README.
 """
 
 import os
+import secrets
+import tempfile
 from pathlib import Path
 
 import dj_database_url
@@ -43,10 +45,55 @@ def env_list(name: str, default: list[str]) -> list[str]:
     return [item.strip() for item in raw.split(",") if item.strip()]
 
 
-SECRET_KEY = env_str("DJANGO_SECRET_KEY", "orchestrator-console-insecure-development-key")
+def secret_key_kept(path: Path) -> str:
+    """The key stored in ``path``; made (random, mode 0600) by the first process that needs it.
+
+    The key is written to a temporary file and linked into place without overwriting, then
+    read back: processes starting together (daphne, qcluster, a test's workers) all end up
+    with the one key that won.
+    """
+    try:
+        key = path.read_text().strip()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".secret_key.")  # mode 0600
+        try:
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(secrets.token_urlsafe(64) + "\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temporary, path)
+            except FileExistsError:
+                pass  # another process was first: use its key
+        finally:
+            os.unlink(temporary)
+        key = path.read_text().strip()
+    if len(key) < 50:
+        raise RuntimeError(f"{path} holds no usable secret key: delete it (a new one is made) or set DJANGO_SECRET_KEY")
+    return key
+
+
+# No key in the code: DJANGO_SECRET_KEY, or one generated once and kept in var/secret_key.
+SECRET_KEY = os.environ.get("DJANGO_SECRET_KEY", "").strip() or secret_key_kept(
+    Path(env_str("DJANGO_SECRET_KEY_FILE", str(BASE_DIR / "var" / "secret_key"))))
 DEBUG = env_bool("DJANGO_DEBUG", False)
 ALLOWED_HOSTS = env_list("DJANGO_ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = env_list("DJANGO_CSRF_TRUSTED_ORIGINS", [])
+
+# Served over HTTPS (usually by a TLS proxy in front of daphne): cookies only over HTTPS, HSTS,
+# plain HTTP redirected, and the proxy's X-Forwarded-Proto trusted to say a request came over
+# HTTPS (the proxy must set it, overwriting what the client sent).
+HTTPS = env_bool("DJANGO_HTTPS", False)
+SESSION_COOKIE_SECURE = HTTPS
+CSRF_COOKIE_SECURE = HTTPS
+SECURE_SSL_REDIRECT = HTTPS
+SECURE_HSTS_SECONDS = env_int("DJANGO_HSTS_SECONDS", 31_536_000) if HTTPS else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("DJANGO_HSTS_INCLUDE_SUBDOMAINS", True)
+SECURE_HSTS_PRELOAD = env_bool("DJANGO_HSTS_PRELOAD", True)
+_PROXY_SSL_HEADER = env_str("DJANGO_PROXY_SSL_HEADER", "X-Forwarded-Proto").strip()
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_" + _PROXY_SSL_HEADER.upper().replace("-", "_"), "https") if HTTPS and _PROXY_SSL_HEADER else None)
 
 INSTALLED_APPS = [
     "daphne",
@@ -296,12 +343,18 @@ SPECTACULAR_SETTINGS = {
     },
 }
 # Requests per authenticated caller and per address of callers without valid credentials
-# ("600/minute", "20/s"; empty: no limit), counted atomically in the database or in Redis
-# (core/ratelimit.py). The defaults leave a program room (20 requests/s sustained) and stop a
+# ("600/minute", "20/s"; empty: no limit) in any window of that length (a sliding window),
+# counted atomically in the database or in Redis (core/ratelimit.py). Failed WebSocket token
+# and /metrics token attempts count against the address's limit too, and once it is spent the
+# next attempts are refused before any token is checked. The defaults leave a program room (20 requests/s sustained) and stop a
 # runaway loop or a token guesser. Idempotency keys live 24 h; a request that crashed leaves its key in
 # flight for at most the in-flight timeout.
 ORCHESTRATOR_API_RATE = env_str("ORCHESTRATOR_API_RATE", "1200/minute")
 ORCHESTRATOR_API_ANON_RATE = env_str("ORCHESTRATOR_API_ANON_RATE", "120/minute")
+# Failed admin logins per username and per address in any window of that length; past either,
+# the login form asks to wait and checks no password.
+ORCHESTRATOR_LOGIN_USERNAME_FAILURES = env_str("ORCHESTRATOR_LOGIN_USERNAME_FAILURES", "5/15m")
+ORCHESTRATOR_LOGIN_ADDRESS_FAILURES = env_str("ORCHESTRATOR_LOGIN_ADDRESS_FAILURES", "20/15m")
 ORCHESTRATOR_RATE_LIMIT_STORE = env_str("ORCHESTRATOR_RATE_LIMIT_STORE", "redis" if REDIS_URL else "database")
 if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_RATE_LIMIT_STORE == "redis"
                                                                    and not REDIS_URL):

@@ -4,7 +4,10 @@ from django.contrib import admin
 from django.urls import include, path
 from django.views.generic import RedirectView
 
+from core.admin_login import RateLimitedAdminLoginForm
 from core.metrics import metrics_view
+
+admin.site.login_form = RateLimitedAdminLoginForm
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),

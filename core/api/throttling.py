@@ -1,6 +1,6 @@
 """Request rate limits of the API (``429 rate_limited`` with ``Retry-After``).
 
-Per principal and fixed window, counted atomically (``core.ratelimit``): an authenticated
+Per principal in a sliding window, counted atomically (``core.ratelimit``): an authenticated
 caller (API token or session) is ``user:<id>`` and gets ``ORCHESTRATOR_API_RATE``; a caller
 without valid credentials is ``ip:<address>`` and gets ``ORCHESTRATOR_API_ANON_RATE`` (empty:
 the same rate). Requests that fail authentication count too, so guessing tokens is limited

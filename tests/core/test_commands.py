@@ -246,8 +246,11 @@ def test_seed_demo_is_idempotent(settings):
     second = run_json("seed_demo", "--password", "demo-pass")
 
     assert first["created"] and second["created"] == []  # the second time, nothing new
-    assert {**first, "created": []} == second == {"organization": first["organization"], "username": "operator",
-                                                  "password": "demo-pass", "created": []}
+    assert first == {"organization": first["organization"], "username": "operator", "password": "demo-pass",
+                     "created": first["created"]}
+    assert second == {"organization": first["organization"], "username": "operator", "password": None,
+                      "created": [], "note": "user 'operator' already existed: its password, staff status and "
+                                             "groups were left as they are"}
     assert snapshot() == seeded
     organization = Organization.objects.get(pk=first["organization"])
     assert organization.name == "Demo Org"
@@ -259,6 +262,22 @@ def test_seed_demo_is_idempotent(settings):
     assert list(LedgerEntry.objects.filter(organization=organization).values_list("kind", "amount")) == [
         ("topup", 100_000)]  # the initial credits only, no second "demo top-up"
     assert invariants_check() == []
+
+
+@pytest.mark.django_db
+def test_seed_demo_leaves_an_existing_user_as_it_is(settings):
+    from django.contrib.auth.models import Group
+
+    user = get_user_model().objects.create_user(username="operator", password="their-own-password")
+    user.groups.add(Group.objects.create(name="readers"))
+    result = run_json("seed_demo", "--password", "operator")
+    user.refresh_from_db()
+    assert (user.is_staff, user.is_superuser) == (False, False)
+    assert user.check_password("their-own-password") and not user.check_password("operator")
+    assert list(user.groups.values_list("name", flat=True)) == ["readers"]
+    assert result["password"] is None and "already existed" in result["note"]
+    assert not any("user" in line for line in result["created"])
+    assert Organization.objects.filter(name="Demo Org").exists()  # the rest of the demo is seeded
 
 
 # --- run_console (no real processes: children, signals and sleep are faked) --------------------
@@ -313,6 +332,7 @@ def console(monkeypatch):
     return state
 
 
+@pytest.mark.django_db
 def test_run_console_stops_both_children_on_ctrl_c(console):
     import signal
 
@@ -358,6 +378,42 @@ def test_run_console_exits_with_the_code_of_a_child_that_died(console):
     assert "daphne exited with code 3; stopping" in err.getvalue()
     assert console["children"]["qcluster"].signals == [signal.SIGTERM]  # the survivor is stopped
     assert console["children"]["daphne"].signals == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "192.168.1.20", "10.0.0.5", "no-such-host.invalid"])
+def test_run_console_refuses_a_network_address_while_the_demo_login_has_its_default_password(console, host):
+    run_json("seed_demo")  # operator / operator
+    with pytest.raises(CommandError, match="demo login 'operator' still has its default password"):
+        call_command("run_console", "--host", host, stdout=StringIO(), stderr=StringIO())
+    assert console["children"] == {}  # nothing started
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_run_console_serves_the_demo_login_on_loopback(console, host):
+    import signal
+
+    run_json("seed_demo")
+    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
+    call_command("run_console", "--host", host, stdout=StringIO(), stderr=StringIO())
+    assert "daphne" in console["children"]
+
+
+@pytest.mark.django_db
+def test_run_console_serves_the_network_once_the_demo_password_is_changed(console, monkeypatch):
+    import signal
+
+    monkeypatch.setenv("DEMO_USERNAME", "demo-admin")
+    run_json("seed_demo", "--username", "demo-admin", "--password", "operator")
+    with pytest.raises(CommandError, match="'demo-admin'"):
+        call_command("run_console", "--host", "0.0.0.0", stdout=StringIO(), stderr=StringIO())
+    user = get_user_model().objects.get(username="demo-admin")
+    user.set_password("a long unguessable passphrase")
+    user.save()
+    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
+    call_command("run_console", "--host", "0.0.0.0", stdout=StringIO(), stderr=StringIO())
+    assert "daphne" in console["children"]
 
 
 def test_run_console_without_workers_serves_only(console):

@@ -13,7 +13,7 @@ from django.utils import timezone
 
 from billing.models import LedgerEntry
 from core.models import AuditRecord, Event, IdempotencyRecord, MetricDelta, RateLimitCounter
-from core.ratelimit import DatabaseStore
+from core.ratelimit import DatabaseStore, Rate, rate_limit_hit
 from core.retention import MIN_AGE, retention_prune, retention_prune_scheduled
 from jobs.models import Job, JobState, WorkerHeartbeat
 from jobs.services import job_cancel, job_enqueue
@@ -152,8 +152,8 @@ def test_expired_idempotency_keys_rate_windows_workers_and_metric_samples(tenant
     tenant.client.post("/api/v1/runs/", tenant.run_body(name="b"), format="json", HTTP_IDEMPOTENCY_KEY="new")
     IdempotencyRecord.objects.filter(key="old").update(expires_at=timezone.now() - timedelta(minutes=1))
     now = timezone.now()
-    DatabaseStore().increment("user:1", (now - timedelta(hours=2)).timestamp(), 60)
-    DatabaseStore().increment("user:1", now.timestamp() // 60 * 60, 60)
+    rate_limit_hit("user:1", Rate(10, 60), now=(now - timedelta(hours=2)).timestamp(), store=DatabaseStore())
+    rate_limit_hit("user:1", Rate(10, 60), now=now.timestamp(), store=DatabaseStore())
     WorkerHeartbeat.objects.create(worker="gone:1", started_at=now - 40 * DAY, last_seen=now - 30 * DAY)
     WorkerHeartbeat.objects.create(worker="here:1", started_at=now, last_seen=now)
     job_enqueue(job_type="noop", project=tenant.project, payload={})

@@ -5,18 +5,59 @@ and automatic recovery of silent runs is off unless ``ORCHESTRATOR_RUN_AUTO_RECO
 so the stuck demo run waits for the recovery runbook, and transitions are not logged unless
 ``ORCHESTRATOR_TRANSITION_LOG_LEVEL`` is set). Each child gets the same environment; if
 one exits, the others are stopped and the command exits with its code.
+
+It refuses to serve on an address other than loopback (``--host 0.0.0.0``, ``::``, a LAN
+address or a name that resolves to one) while the demo login (``DEMO_USERNAME``, default
+``operator``) still has the demo's default password: that login must never face the network.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError
+
+DEMO_DEFAULT_PASSWORD = "operator"  # seed_demo's default
+
+
+def host_is_loopback(host: str) -> bool:
+    """Does binding ``host`` keep the server on this machine? A name counts only when every
+    address it resolves to is loopback; a name that does not resolve does not count."""
+    name = host.strip().strip("[]")
+    try:
+        addresses = {ipaddress.ip_address(name)}
+    except ValueError:
+        try:
+            addresses = {ipaddress.ip_address(info[4][0].split("%")[0])
+                         for info in socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)}
+        except (OSError, UnicodeError, ValueError):
+            return False
+    for address in addresses:
+        mapped = getattr(address, "ipv4_mapped", None)
+        if not (mapped or address).is_loopback:
+            return False
+    return bool(addresses)
+
+
+def demo_login_with_default_password() -> str | None:
+    """The demo login's username while it still has the default password, else None."""
+    username = os.environ.get("DEMO_USERNAME", "operator")
+    try:
+        user = get_user_model().objects.filter(username=username).first()
+    except DatabaseError:  # no tables yet: no login to protect
+        return None
+    if user is not None and user.is_active and user.check_password(DEMO_DEFAULT_PASSWORD):
+        return username
+    return None
 
 
 class Command(BaseCommand):
@@ -30,6 +71,13 @@ class Command(BaseCommand):
                             help="also keep a stream of demo runs going (needs seed_demo first)")
 
     def handle(self, *args, **options):
+        if not host_is_loopback(options["host"]):
+            username = demo_login_with_default_password()
+            if username is not None:
+                raise CommandError(
+                    f"refusing to serve on {options['host']}: the demo login {username!r} still has its default "
+                    f"password, and anyone who can reach this address could sign in as a superuser. Change it "
+                    f"(manage.py changepassword {username}) or serve on 127.0.0.1 (behind a proxy).")
         base = [sys.executable]
         manage = [*base, str(settings.BASE_DIR / "manage.py")]
         if options["demo"]:

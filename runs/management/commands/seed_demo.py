@@ -1,6 +1,8 @@
 """``seed_demo``: a demo organization with credits, two projects, an operator login and runs.
 
-Idempotent: running it again keeps what exists and prints the same login.
+Idempotent: running it again keeps what exists. The operator login is made (staff, superuser,
+the given password) only when no user of that name exists: an existing user keeps its password,
+staff status and groups, and the output says so.
 """
 
 import json
@@ -56,33 +58,41 @@ class Command(RunbookCommand):
             raise CommandError("--reason must not be empty")
         actor = self.resolve_actor(options["as_user"])
         with transaction.atomic():
-            organization, created = self.seed(options, actor=actor, reason=reason)
+            organization, created, user_made = self.seed(options, actor=actor, reason=reason)
             if options["dry_run"]:
                 transaction.set_rollback(True)  # everything above, undone: the list is exact
         if options["dry_run"]:
             self.stdout.write(json.dumps({"dry_run": True, "would_create": created}))
             return
-        self.stdout.write(json.dumps({"organization": organization.pk, "username": options["username"],
-                                      "password": options["password"], "created": created}))
+        result = {"organization": organization.pk, "username": options["username"],
+                  "password": options["password"] if user_made else None, "created": created}
+        if not user_made:
+            result["note"] = (f"user {options['username']!r} already existed: its password, staff status and "
+                              f"groups were left as they are")
+        self.stdout.write(json.dumps(result))
 
-    def seed(self, options, *, actor, reason: str) -> tuple[Organization, list[str]]:
+    def seed(self, options, *, actor, reason: str) -> tuple[Organization, list[str], bool]:
         User = get_user_model()
         created: list[str] = []
+        # A user of that name made by anyone (even an earlier seed) is never promoted, nor its
+        # password reset: only the login this run makes gets staff, superuser and the password.
+        user_made = not User.objects.filter(username=options["username"]).exists()
         organization = Organization.objects.filter(name="Demo Org").first()
         if organization is None:
             organization, project, _, _ = organization_create(
-                name="Demo Org", owner_username=options["username"], staff=True, credits=options["credits"],
+                name="Demo Org", owner_username=options["username"], staff=False, credits=options["credits"],
                 actor=actor)
             created += [f"organization 'Demo Org' with project 'default' and owner {options['username']!r}",
                         f"{options['credits']} credits"]
         operator = User.objects.filter(username=options["username"]).first()
         if operator is None:
             operator = User.objects.create(username=options["username"])
-            created.append(f"user {options['username']!r}")
-        operator.is_staff = True
-        operator.is_superuser = True
-        operator.set_password(options["password"])
-        operator.save()
+        if user_made:
+            operator.is_staff = True
+            operator.is_superuser = True
+            operator.set_password(options["password"])
+            operator.save()
+            created.append(f"user {options['username']!r} (staff, superuser)")
         actor = actor or operator
         if not organization.memberships.filter(user=operator).exists():
             organization.memberships.create(user=operator, role="owner")
@@ -100,4 +110,4 @@ class Command(RunbookCommand):
             for index in range(3):
                 run_create(project=project, name=f"demo run {index + 1}", plan=DEMO_PLAN, actor=actor, reason=reason)
             created.append("3 demo runs")
-        return organization, created
+        return organization, created, user_made
