@@ -114,6 +114,7 @@ INSTALLED_APPS = [
     "jobs",
     "runs",
     "diagnosis",
+    "console",
 ]
 
 MIDDLEWARE = [

@@ -11,7 +11,7 @@ admin.site.login_form = RateLimitedAdminLoginForm
 
 urlpatterns = [
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
-    path("admin/dashboard/", include("core.admin_dashboard")),
+    path("admin/dashboard/", include("console.admin_dashboard")),
     path("admin/", admin.site.urls),
     path("api/", include("orchestrator_site.api_urls")),
     path("metrics", metrics_view, name="metrics"),

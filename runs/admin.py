@@ -27,7 +27,6 @@ from core.admin_runbooks import (
     top_values_filter,
 )
 from core.models import AuditRecord, Event
-from diagnosis.admin import RunDiagnosisAdminMixin
 from jobs.admin import ProjectListFilter, run_waiting_jobs_html
 from runs import runbooks
 from runs.models import (
@@ -169,7 +168,7 @@ class RecoverForm(RunbookForm):
 # --- runs -------------------------------------------------------------------------------------
 
 @admin.register(Run)
-class RunAdmin(RunPipelineAdminMixin, RunDiagnosisAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
+class RunAdmin(RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
     list_display = ("id", "name", "project", "live_status", "status_reason", "priority", "attempt_number",
                     "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "escalated",
                     "last_heartbeat", "created_at")

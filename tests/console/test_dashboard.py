@@ -12,7 +12,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import CreditAccount
-from core.dashboard import dashboard_snapshot
+from console.dashboard import dashboard_snapshot
 from jobs.models import WorkerHeartbeat
 from jobs.services import job_claim, job_complete, job_enqueue, job_fail
 from runs import services
@@ -82,7 +82,7 @@ def test_data_answers_json_errors_never_500(make_staff, login, monkeypatch):
     def broken(**kwargs):
         raise DatabaseError("connection lost")
 
-    monkeypatch.setattr("core.admin_dashboard.dashboard_snapshot", broken)
+    monkeypatch.setattr("console.admin_dashboard.dashboard_snapshot", broken)
     failed = client.get(DATA)
     assert failed.status_code == 503 and failed.json()["code"] == "dashboard_unavailable"
 

@@ -311,7 +311,7 @@ def console(monkeypatch):
     import time as real_time
     from types import SimpleNamespace
 
-    from core.management.commands import run_console
+    from console.management.commands import run_console
 
     state = {"children": {}, "exits": {}, "handlers": {}, "on_sleep": lambda: None}
 

@@ -14,7 +14,7 @@ from django.utils import timezone
 from billing.models import LedgerEntry
 from core.models import AuditRecord, Event, IdempotencyRecord, MetricDelta, RateLimitCounter
 from core.ratelimit import DatabaseStore, Rate, rate_limit_hit
-from core.retention import MIN_AGE, retention_prune, retention_prune_scheduled
+from console.retention import MIN_AGE, retention_prune, retention_prune_scheduled
 from jobs.models import Job, JobState, WorkerHeartbeat
 from jobs.services import job_cancel, job_enqueue
 from runs import services as run_services
@@ -132,7 +132,7 @@ def test_events_a_relay_here_has_not_delivered_are_kept(project, monkeypatch):
     job_cancel(job_id=job.pk)
     ids = sorted(Event.objects.filter(payload__jobId=job.pk).values_list("id", flat=True))
     age(Event.objects.all(), "created_at", 400)
-    monkeypatch.setattr("core.relay.relay_status", lambda: {"cursor": ids[0], "latest": ids[-1], "lag": 1,
+    monkeypatch.setattr("console.retention.relay_status", lambda: {"cursor": ids[0], "latest": ids[-1], "lag": 1,
                                                             "subscriptions": 0})
     retention_prune(only=["events"])
     assert list(Event.objects.filter(id__in=ids).values_list("id", flat=True)) == ids[1:]
@@ -185,7 +185,7 @@ def test_the_schedule_runs_the_prune():
     from django_q.models import Schedule
 
     schedule = Schedule.objects.get(name="orchestrator-retention")
-    assert schedule.func == "core.retention.retention_prune_scheduled"
+    assert schedule.func == "console.retention.retention_prune_scheduled"
     assert (schedule.schedule_type, schedule.minutes, schedule.repeats) == ("I", 10, -1)
     assert set(retention_prune_scheduled()) >= {"idempotency", "artifacts", "jobs", "events"}
 

@@ -37,29 +37,28 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
 
-from django.apps import apps
 from django.conf import settings
-from django.core.files.storage import storages
 from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from core.errors import DomainError, NotFound
-from core.models import Event, IdempotencyRecord, Project
+from django_q.models import Task
+
+from core.errors import NotFound, ValidationFailed
+from core.metrics import metrics_compact
+from core.models import Event, IdempotencyRecord, MetricDelta, Project, RateLimitCounter
+from core.ratelimit import rate_limit_longest_period_s
+from core.relay import relay_status
+from core.services import audit_record
+from jobs.models import TERMINAL_JOB_STATES, Job, WorkerHeartbeat
+from runs.artifacts import artifact_expire
+from runs.models import SETTLED_RUN_STATES, Artifact, Run
 
 logger = logging.getLogger("orchestrator.retention")
 
-ARTIFACT_STORAGE = "artifacts"
 # Whatever a project's retention, jobs and events younger than this are kept: a client waiting
 # for a job's result, or a relay a little behind, still finds the rows.
 MIN_AGE = timedelta(hours=1)
-
-
-class ArtifactGone(DomainError):
-    """The artifact expired and its file was deleted."""
-
-    code = "artifact_expired"
-    status = 410
 
 
 # --- a project's retention -----------------------------------------------------------------------
@@ -67,8 +66,6 @@ class ArtifactGone(DomainError):
 def project_retention_set(*, project_id: int, days: int | None, actor=None, reason: str = "") -> Project:
     """Set how many days a project's terminal jobs and events are kept (None: the default),
     with an audit record of the change."""
-    from core.errors import ValidationFailed
-    from core.services import audit_record
 
     if days is not None and (isinstance(days, bool) or not isinstance(days, int) or not 0 <= days <= 36_500):
         raise ValidationFailed("invalid retention", errors={"days": ["a whole number of days from 0 to 36500"]})
@@ -84,58 +81,6 @@ def project_retention_set(*, project_id: int, days: int | None, actor=None, reas
                          organization_id=project.organization_id, reason=reason,
                          before={"retention_days": before}, after={"retention_days": days})
         return project
-
-
-# --- artifacts: reading extends expiry --------------------------------------------------------
-
-def artifact_storage():
-    return storages[ARTIFACT_STORAGE]
-
-
-def artifact_open(*, artifact_id: int, now=None):
-    """Open an artifact's file for reading, first pushing its expiry to at least
-    ``ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S`` from now (seed 001 §8.4).
-
-    The expiry is moved under the artifact's row lock, which the prune takes too before it
-    deletes: a read either extends the expiry before the prune looks (and the file stays) or
-    finds the artifact already deleted (``ArtifactGone``). Returns ``(artifact, file)``.
-    """
-    Artifact = apps.get_model("runs", "Artifact")
-    now = now or timezone.now()
-    with transaction.atomic():
-        artifact = Artifact.objects.select_for_update().filter(pk=artifact_id).first()
-        if artifact is None:
-            raise NotFound(f"artifact {artifact_id} does not exist")
-        if artifact.deleted_at is not None:
-            raise ArtifactGone(f"artifact {artifact_id} expired and was deleted at {artifact.deleted_at.isoformat()}",
-                               deleted_at=artifact.deleted_at.isoformat())
-        floor = now + timedelta(seconds=settings.ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S)
-        if artifact.expires_at is not None and artifact.expires_at < floor:
-            artifact.expires_at = floor
-            artifact.save(update_fields=["expires_at"])
-    try:
-        handle = artifact_storage().open(artifact.storage_key, "rb")
-    except (FileNotFoundError, OSError) as exc:
-        raise NotFound(f"the file of artifact {artifact_id} is missing from storage") from exc
-    return artifact, handle
-
-
-def artifact_expire(*, artifact_id: int, now=None) -> bool:
-    """Delete an expired artifact's file and mark it deleted; False when it is not (or no
-    longer) expired, e.g. because a read extended it meanwhile."""
-    Artifact = apps.get_model("runs", "Artifact")
-    now = now or timezone.now()
-    with transaction.atomic():
-        artifact = (Artifact.objects.select_for_update()
-                    .filter(pk=artifact_id, deleted_at__isnull=True, expires_at__lte=now).first())
-        if artifact is None:
-            return False
-        # File first: if the delete fails the row stays as it was and the next prune retries;
-        # a file already gone is not an error.
-        artifact_storage().delete(artifact.storage_key)
-        artifact.deleted_at = now
-        artifact.save(update_fields=["deleted_at"])
-        return True
 
 
 # --- the steps ---------------------------------------------------------------------------------
@@ -182,16 +127,10 @@ def _project_cutoffs(now, project_field: str) -> list[tuple[Q, object]]:
 
 
 def _live_run_ids():
-    from runs.models import SETTLED_RUN_STATES
-
-    Run = apps.get_model("runs", "Run")
     return Run.objects.exclude(status__in=list(SETTLED_RUN_STATES)).values("id")
 
 
 def _expired_jobs(now) -> QuerySet:
-    from jobs.models import TERMINAL_JOB_STATES
-
-    Job = apps.get_model("jobs", "Job")
     by_project = Q()
     for project_filter, cutoff in _project_cutoffs(now, "project_id"):
         by_project |= project_filter & Q(completed_at__lt=cutoff)
@@ -204,7 +143,6 @@ def _expired_events(now) -> QuerySet:
     for project_filter, cutoff in _project_cutoffs(now, "project_id"):
         by_project |= project_filter & Q(created_at__lt=cutoff)
     queryset = Event.objects.filter(by_project).exclude(run_id__in=_live_run_ids())
-    from core.relay import relay_status
 
     relay = relay_status()  # a relay in this process: never delete what it has not delivered
     if relay is not None:
@@ -257,7 +195,6 @@ class ArtifactStep(Step):
     rule = "artifact files past their expiry: deleted from storage, marked deleted"
 
     def queryset(self, now):
-        Artifact = apps.get_model("runs", "Artifact")
         return Artifact.objects.filter(deleted_at__isnull=True, expires_at__lte=now)
 
     def run(self, now, result, budget):
@@ -301,8 +238,6 @@ class RateLimitStep(Step):
     rule = "request counters of windows that ended"
 
     def queryset(self, now):
-        from core.models import RateLimitCounter
-        from core.ratelimit import rate_limit_longest_period_s
 
         # A window reaches back its period and one bucket (a tenth of it) more.
         kept_s = max(rate_limit_longest_period_s() * 11 // 10 + 1, 60)
@@ -314,7 +249,6 @@ class WorkerStep(Step):
     rule = "heartbeats of worker processes not seen within the default retention"
 
     def queryset(self, now):
-        WorkerHeartbeat = apps.get_model("jobs", "WorkerHeartbeat")
         return WorkerHeartbeat.objects.filter(last_seen__lt=_default_cutoff(now))
 
 
@@ -323,7 +257,6 @@ class TaskResultStep(Step):
     rule = "django-q2 task results older than the default retention"
 
     def queryset(self, now):
-        Task = apps.get_model("django_q", "Task")
         return Task.objects.filter(stopped__lt=_default_cutoff(now))
 
 
@@ -332,12 +265,10 @@ class MetricSampleStep(Step):
     rule = "pending metric samples folded into their totals"
 
     def queryset(self, now):
-        from core.models import MetricDelta
 
         return MetricDelta.objects.all()
 
     def run(self, now, result, budget):
-        from core.metrics import metrics_compact
 
         while True:
             if budget.spent():

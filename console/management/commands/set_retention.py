@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 
 from core.management.base import RunbookCommand, positive_id
-from core.retention import project_retention_set
+from console.retention import project_retention_set
 
 
 class Command(RunbookCommand):

@@ -9,7 +9,7 @@ import argparse
 import math
 
 from core.management.base import RunbookCommand, progress_bar, whole_number
-from core.retention import STEP_NAMES, retention_prune
+from console.retention import STEP_NAMES, retention_prune
 
 MAX_SECONDS = 7 * 86400
 

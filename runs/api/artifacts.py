@@ -1,7 +1,7 @@
 """Artifacts of the caller's runs: list, detail and download.
 
 A download pushes the artifact's expiry forward before it reads the file (seed 001 §8.4:
-``core.retention.artifact_open``), so the prune never deletes a file under a reader; an
+``runs.artifacts.artifact_open``), so the prune never deletes a file under a reader; an
 artifact already deleted answers ``410 artifact_expired``.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 
-from django.apps import apps
 from django.http import FileResponse
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
@@ -20,11 +19,8 @@ from rest_framework.decorators import action
 from core.api.base import ApiViewSet
 from core.api.schema import errors
 from core.api.tenancy import VisibleIdFilter, visible
-from core.retention import artifact_open
-
-
-def _artifact_model():
-    return apps.get_model("runs", "Artifact")
+from runs.artifacts import artifact_open
+from runs.models import Artifact, Run
 
 
 class ArtifactSerializer(serializers.Serializer):
@@ -55,7 +51,7 @@ class BinaryRenderer(renderers.BaseRenderer):
 
 
 def _visible_runs(request):
-    return visible(apps.get_model("runs", "Run").objects.all(), request)
+    return visible(Run.objects.all(), request)
 
 
 class ArtifactFilter(filters.FilterSet):
@@ -74,7 +70,7 @@ class ArtifactViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewS
     organization_field = "run__organization_id"
 
     def get_queryset(self):
-        self.queryset = _artifact_model().objects.order_by("-id")
+        self.queryset = Artifact.objects.order_by("-id")
         return super().get_queryset()
 
     @extend_schema(summary="Download an artifact (pushes its expiry forward first)",

@@ -1,7 +1,7 @@
 """Delete expired Idempotency-Key records: ``prune_idempotency`` (the ``idempotency`` step of ``prune``)."""
 
 from core.management.base import RunbookCommand
-from core.retention import retention_prune
+from console.retention import retention_prune
 
 
 class Command(RunbookCommand):

@@ -17,7 +17,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.views.decorators.cache import never_cache
 
-from core.dashboard import dashboard_snapshot
+from console.dashboard import dashboard_snapshot
 
 logger = logging.getLogger("orchestrator.console")
 
