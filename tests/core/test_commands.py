@@ -430,7 +430,7 @@ def test_run_console_without_workers_serves_only(console):
 
 def test_every_management_command_is_exercised_by_a_test():
     root = Path(settings.BASE_DIR)
-    commands = sorted(path.stem for app in ("core", "billing", "jobs", "runs", "diagnosis")
+    commands = sorted(path.stem for app in ("core", "billing", "jobs", "runs", "diagnosis", "console")
                       for path in (root / app / "management" / "commands").glob("*.py")
                       if not path.stem.startswith("_"))
     assert {"create_organization", "topup_credits", "check_invariants", "seed_demo", "queue_status"} <= set(commands)
