@@ -181,6 +181,8 @@ def target_parse(url: str) -> Target:
         port = parts.port
     except ValueError as exc:
         raise FetchError(f"{url!r} is not a URL: {exc}", code="invalid_url") from exc
+    if port == 0:
+        raise FetchError(f"{url!r} names port 0", code="invalid_url")
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
         raise FetchError(f"scheme {scheme or '(none)'!r} of {url!r} is not http or https", code="scheme_not_allowed")

@@ -265,6 +265,8 @@ def test_only_http_and_https(settings):
     settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
     for url in ("file:///etc/passwd", "ftp://127.0.0.1/x", "gopher://127.0.0.1:6379/_INFO"):
         assert refused(url).code == "scheme_not_allowed"
+    for url in ("http://127.0.0.1:0/", "http://127.0.0.1:65536/", "http://127.0.0.1\\@evil.example/", "http://[::1/"):
+        assert refused(url).code == "invalid_url"
 
 
 # --- DNS rebinding ------------------------------------------------------------------------------
@@ -374,3 +376,24 @@ def test_network_failures_are_retryable_and_refusals_are_not(settings, resolver)
     assert isinstance(error, RetryableToolError) and error.code == "connection_error"
     error = refused("http://gone.example/")
     assert isinstance(error, RetryableToolError) and error.code == "resolution_failed"
+
+
+# --- through a run ------------------------------------------------------------------------------
+
+@pytest.mark.django_db(transaction=True)
+def test_a_run_step_redirected_off_the_allow_list_fails_once_with_the_code(settings, monkeypatch, project, server):
+    from runs import services
+    from runs.models import Run, StepAttempt
+    from tests.conftest import make_plan
+    from tests.drive import drain_jobs
+
+    monkeypatch.setattr("jobs.wake._send", lambda count: None)
+    settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS = ["127.0.0.1"]
+    plan = make_plan(tool="http_request", args={"url": server.url("/redirect?to=file:///etc/passwd")},
+                     failure_mode="retry")
+    run = services.run_create(project=project, name="ssrf", plan=plan)
+    services.run_start(run_id=run.pk)
+    drain_jobs(until=lambda: Run.objects.get(pk=run.pk).status == Run.Status.FAILED)
+    attempts = list(StepAttempt.objects.filter(run=run).values_list("error_code", "retryable"))
+    assert attempts == [("redirect_not_allowed", False)]  # fatal: not retried
+    assert len(server.requests) == 1
