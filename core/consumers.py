@@ -47,7 +47,9 @@ def _access(user, scope: str, object_id) -> tuple[bool, str, int | None]:
     from core.models import Organization, Project
     from runs.models import Run
 
-    sees_all = user.is_staff and user.has_perm("core.view_event")
+    from core.api.events import events_of_every_organization
+
+    sees_all = events_of_every_organization(user)
     if scope == "all":
         return sees_all, "all", None
     if isinstance(object_id, bool) or not isinstance(object_id, int):
@@ -230,7 +232,9 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
 
     async def _organizations_filter(self) -> list[int] | None:
         """The organizations this user's events may come from (None: every one)."""
-        if self.user.is_staff and await sync_to_async(self.user.has_perm)("core.view_event"):
+        from core.api.events import events_of_every_organization
+
+        if await sync_to_async(events_of_every_organization)(self.user):
             return None
         return await sync_to_async(lambda: list(self.user.memberships.values_list("organization_id", flat=True)))()
 

@@ -14,7 +14,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
-from core.api.events import event_page, events_visible
+from core.api.events import event_page, events_of_every_organization, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
 from core.api.schema import ERROR_CODES, errors
 from core.errors import PermissionRefused
@@ -301,7 +301,7 @@ class EventListView(ApiView):
         query.is_valid(raise_exception=True)
         data = dict(query.validated_data)
         queryset = events_visible(request)
-        staff_view = request.user.has_perm("core.view_event")
+        staff_view = events_of_every_organization(request.user)
         for name, finder in (("organization", lambda pk: visible_get(visible_organizations(request), request, pk,
                                                                        entity="organization", field="id")),
                              ("project", lambda pk: visible_project(request, pk)),
