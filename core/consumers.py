@@ -94,7 +94,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _authenticated(self, user):
+        from core.api.actors import ActorNames
+
         self.user = user
+        self.actor_names = ActorNames(user)  # who acted, as this user may see it
         if self.auth_timer is not None:
             self.auth_timer.cancel()
         self.relay = await Relay.get()
@@ -242,6 +245,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if event["id"] <= self.last_sent:
             return  # already sent through another subscription or the replay
         self.last_sent = event["id"]
+        if self.actor_names.may_relabel(event):
+            event = await sync_to_async(self.actor_names.event, thread_sensitive=False)(event)
         await self.send_json(event)
 
     def _below_floors(self, event: dict) -> bool:

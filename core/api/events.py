@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
+from core.api.actors import ActorNames
 from core.api.tenancy import organization_ids
 from core.models import Event
 
@@ -44,7 +45,8 @@ def events_visible(request) -> QuerySet:
 
 
 def event_page(request, queryset: QuerySet, *, after: int, limit: int) -> dict[str, Any]:
-    """One page of events after ``after`` in id order, with the URL of the next one."""
+    """One page of events after ``after`` in id order, with the URL of the next one (actors as
+    the caller may see them: ``core.api.actors``)."""
     rows = list(queryset.filter(id__gt=after).order_by("id").values(*EVENT_FIELDS)[:limit])
     last_id = rows[-1]["id"] if rows else None
     next_url = None
@@ -52,4 +54,5 @@ def event_page(request, queryset: QuerySet, *, after: int, limit: int) -> dict[s
         query = request.query_params.copy()
         query["after"] = str(last_id)
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
-    return {"results": [event_envelope(row) for row in rows], "next": next_url, "last_id": last_id}
+    names = ActorNames.for_request(request)
+    return {"results": [names.event(event_envelope(row)) for row in rows], "next": next_url, "last_id": last_id}

@@ -284,7 +284,7 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
         serializer.is_valid(raise_exception=True)
         ticket = escalations.escalation_acknowledge(ticket_id=self.get_object().pk, actor=request.user,
                                                     reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket).data)
+        return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
     @extend_schema(summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
                    request=ResolveSerializer,
@@ -297,7 +297,7 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
         serializer.is_valid(raise_exception=True)
         ticket = escalations.escalation_resolve(ticket_id=self.get_object().pk, actor=request.user,
                                                 reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket).data)
+        return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
 
 class EventListView(ApiView):
