@@ -113,6 +113,14 @@ def test_staff_with_view_event_see_every_organizations_events(tenant, other, dja
     assert theirs and {e["organization"] for e in theirs} == {other.organization.pk}
 
 
+@pytest.fixture
+def client(client, settings):
+    """A client holding the metrics token: health answers it with every part."""
+    settings.ORCHESTRATOR_METRICS_TOKEN = "health-details"
+    client.defaults["HTTP_AUTHORIZATION"] = "Bearer health-details"
+    return client
+
+
 def test_health_is_503_naming_the_failing_parts_then_200(client, settings):
     response = client.get("/api/v1/health/")
     assert response.status_code == 503
