@@ -36,7 +36,13 @@ WORKERS_SEEN_WINDOW = timedelta(minutes=1)
 
 
 def job_wait(job_id: int, timeout_s: float) -> Job:
-    """The job once it is terminal, or as it is when ``timeout_s`` has passed."""
+    """The job once it is terminal, or as it is when ``timeout_s`` has passed.
+
+    Between two looks it holds no database connection (it gives it back, to the pool when there
+    is one): a request may wait seconds, and waiting requests must not use up the connections
+    the workers that would finish their jobs need. Inside a transaction (never in a request that
+    waits: its handler commits first) the connection is the transaction's and stays.
+    """
     deadline = time.monotonic() + timeout_s
     pause = WAIT_POLL_S[0]
     while True:
@@ -44,6 +50,8 @@ def job_wait(job_id: int, timeout_s: float) -> Job:
         remaining = deadline - time.monotonic()
         if job.is_terminal or remaining <= 0:
             return job
+        if not connection.in_atomic_block:
+            connection.close()
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, WAIT_POLL_S[1])
 
