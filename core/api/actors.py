@@ -76,11 +76,15 @@ class ActorNames:
 
     def event(self, envelope: dict[str, Any]) -> dict[str, Any]:
         """An event envelope with its actors as this caller may see them (a copy when one changes)."""
+        return self.relabel(envelope, organization_id=envelope.get("organization"))
+
+    def relabel(self, data: dict[str, Any], *, organization_id: int | None) -> dict[str, Any]:
+        """``data`` with the actors it names (``ACTOR_KEYS``, at the top or one level down) as this
+        caller may see them; a copy when one changes."""
         if self.full:
-            return envelope
-        organization_id = envelope.get("organization")
+            return data
         changed: dict[str, Any] = {}
-        for key, value in envelope.items():
+        for key, value in data.items():
             if key in ACTOR_KEYS and isinstance(value, str):
                 shown = self.label(value, organization_id=organization_id)
                 if shown != value:
@@ -90,4 +94,4 @@ class ActorNames:
                          if name in ACTOR_KEYS and isinstance(item, str) else item for name, item in value.items()}
                 if inner != value:
                     changed[key] = inner
-        return {**envelope, **changed} if changed else envelope
+        return {**data, **changed} if changed else data

@@ -171,6 +171,21 @@ def test_ledger_and_run_event_actors_show_as_operator_to_tenants_and_by_name_to_
     assert cancelled["actor"] == "night-shift-alice"
 
 
+def test_who_asked_for_a_suggestion_shows_as_operator_to_tenants(tenant, staff_actor, django_user_model):
+    from diagnosis.services import suggestion_request
+
+    run = create_run(tenant)
+    suggestion_request(run_id=run["id"], actor=staff_actor)
+    url = f"/api/v1/runs/{run['id']}/suggest/"
+    assert tenant.client.get(url).json()["suggestion"]["requested_by"] == "operator"
+    assert tenant.client.post(url, format="json").json()["suggestion"]["requested_by"] == "operator"  # single flight
+    feed = tenant.client.get(f"/api/v1/runs/{run['id']}/events/").json()["results"]
+    asked = [event["suggestion"]["requested_by"] for event in feed if event["type"] == "diagnosis_suggestion"]
+    assert asked == ["operator"]
+    _, staff = member_client(tenant, django_user_model, "staff-member", staff=True)
+    assert staff.get(url).json()["suggestion"]["requested_by"] == "night-shift-alice"
+
+
 # -- health --------------------------------------------------------------------------------------------------
 
 @pytest.fixture
