@@ -1,5 +1,5 @@
 """Idempotency-Key on POSTs: replay byte for byte with a single effect, 422 on another body,
-409 while in flight, per-organization keys, takeover of abandoned keys, expiry, concurrency."""
+409 while in flight, per-organization and per-caller keys, takeover of abandoned keys, expiry, concurrency."""
 
 from __future__ import annotations
 
