@@ -26,6 +26,7 @@ from django.conf import settings
 from core.ratelimit import auth_failure_record, auth_failures_refusal, client_address, retry_after_text
 from core.relay import Relay, Subscriber, envelope, events_after
 from core.scopes import event_scope_organization
+from core.api.events import events_of_every_organization
 
 logger = logging.getLogger("orchestrator.relay")
 
@@ -50,7 +51,7 @@ def _user_from_token(key: str):
 
 def _access(user, scope: str, object_id) -> tuple[bool, str, int | None]:
     """May ``user`` watch this scope? Returns (allowed, group, organization)."""
-    sees_all = user.is_staff and user.has_perm("core.view_event")
+    sees_all = events_of_every_organization(user)
     if scope == "all":
         return sees_all, "all", None
     if isinstance(object_id, bool) or not isinstance(object_id, int):
@@ -90,7 +91,10 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def _authenticated(self, user):
+        from core.api.actors import ActorNames
+
         self.user = user
+        self.actor_names = ActorNames(user)  # who acted, as this user may see it
         if self.auth_timer is not None:
             self.auth_timer.cancel()
         self.relay = await Relay.get()
@@ -244,7 +248,7 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
 
     async def _organizations_filter(self) -> list[int] | None:
         """The organizations this user's events may come from (None: every one)."""
-        if self.user.is_staff and await sync_to_async(self.user.has_perm)("core.view_event"):
+        if await sync_to_async(events_of_every_organization)(self.user):
             return None
         return await sync_to_async(lambda: list(self.user.memberships.values_list("organization_id", flat=True)))()
 
@@ -252,6 +256,8 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if event["id"] <= self.last_sent:
             return  # already sent through another subscription or the replay
         self.last_sent = event["id"]
+        if self.actor_names.may_relabel(event):
+            event = await sync_to_async(self.actor_names.event, thread_sensitive=False)(event)
         await self.send_json(event)
 
     def _below_floors(self, event: dict) -> bool:

@@ -116,7 +116,10 @@ class AuditRecord(models.Model):
 
 
 class IdempotencyRecord(models.Model):
-    """One ``Idempotency-Key`` of one organization on one endpoint, and the answer it got.
+    """One ``Idempotency-Key`` of one caller in one organization on one endpoint, and the answer it got.
+
+    Keys are the caller's own (Stripe's rule): another user of the organization sending the same
+    key has its own request processed, and never sees this answer.
 
     The row is inserted ``in_flight`` and committed before the request runs, so a concurrent
     duplicate finds it (``409 idempotency_key_in_use``); the response is stored byte for byte
@@ -132,6 +135,8 @@ class IdempotencyRecord(models.Model):
 
     id = models.BigAutoField(primary_key=True)
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, on_delete=models.CASCADE, related_name="+",
+                             help_text="the caller (empty only on rows written before keys were per caller)")
     key = models.CharField(max_length=255)
     endpoint = models.CharField(max_length=255, help_text="request path, e.g. /api/v1/runs/")
     request_hash = models.CharField(max_length=64, help_text="sha256 of method, query and canonical body")
@@ -147,7 +152,8 @@ class IdempotencyRecord(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["organization", "key", "endpoint"], name="idempotency_unique_key"),
+            models.UniqueConstraint(fields=["organization", "user", "key", "endpoint"],
+                                    name="idempotency_unique_caller_key"),
         ]
 
     def __str__(self) -> str:

@@ -17,6 +17,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
 
+from core.api.actors import ActorNames
 from core.api.base import ID_PATTERN, ApiView
 from core.api.schema import errors
 from core.api.tenancy import visible_get
@@ -108,7 +109,8 @@ class RunSuggestView(ApiView):
     def get(self, request, run_id):
         run = _visible_run(request, run_id)
         suggestion = Suggestion.objects.select_related("requested_by").filter(run=run).order_by("-id").first()
-        return Response({"suggestion": suggestion_as_dict(suggestion, run=run) if suggestion else None})
+        body = {"suggestion": suggestion_as_dict(suggestion, run=run) if suggestion else None}
+        return Response(ActorNames.for_request(request).relabel(body, organization_id=run.organization_id))
 
     @extend_schema(
         summary="Ask for a suggested next action (single flight per run); with ?wait=, the suggestion if "
@@ -125,7 +127,8 @@ class RunSuggestView(ApiView):
         requested = suggestion_request(run_id=run.pk, actor=request.user)
         wait_s = min(query.validated_data["wait"], settings.ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS / 1000)
         job = job_wait(requested.job.pk, wait_s) if wait_s > 0 else Job.objects.get(pk=requested.job.pk)
-        body = suggestion_response(requested, job)
+        body = ActorNames.for_request(request).relabel(suggestion_response(requested, job),
+                                                       organization_id=run.organization_id)
         if job.is_terminal:
             return Response(body)
         return Response(body, status=status.HTTP_202_ACCEPTED,

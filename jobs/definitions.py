@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from core.errors import ValidationFailed
-from jobs.registry import Dedupe, JobDefinition, RetryPolicy, register
+from jobs.registry import Dedupe, JobDefinition, RetryPolicy, payload_lane_errors, register
+
+
+def _chosen_lane(payload: dict, project_id: int) -> str:
+    """The lane the payload asks for (``lane``), which the engine namespaces under the project."""
+    return payload.get("lane", "")
 
 
 def _validate_noop(payload: dict) -> dict:
+    problems = payload_lane_errors(payload.get("lane", ""))
+    if problems:
+        raise ValidationFailed("invalid payload", errors={"payload.lane": problems})
     if "sleep" in payload:
         seconds = payload["sleep"]
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= 60:
@@ -26,10 +34,11 @@ def _run_noop(ctx, payload: dict):
     return {"echo": payload.get("value"), "attempt": ctx.attempt}
 
 
-# A trivial job for benchmarks, health probes and drills. No lane: runs as wide as allowed.
+# A trivial job for benchmarks, health probes and drills. No lane (runs as wide as allowed) unless
+# the payload names one, which then lives in the project's namespace (project:<id>:user:<lane>).
 NOOP = register(JobDefinition(
     type="noop", run=_run_noop, validate=_validate_noop, priority_class="background",
-    lane=lambda payload, project_id: payload.get("lane", ""),
+    lane=_chosen_lane,
     dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=3),
     timeout_s=65,
 ))
@@ -51,7 +60,7 @@ def _run_probe(ctx, payload: dict):
 # Like ``noop`` but leaves an event per execution: drills and tests count executions with it.
 PROBE = register(JobDefinition(
     type="probe", run=_run_probe, validate=_validate_noop, priority_class="background",
-    lane=lambda payload, project_id: payload.get("lane", ""),
+    lane=_chosen_lane,
     dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=5, backoff="immediate_linear"),
     timeout_s=65,
 ))

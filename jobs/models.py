@@ -73,8 +73,10 @@ class PriorityClass(models.TextChoices):
 class Job(ConcurrentTransitionMixin, models.Model):
     """A unit of queued work of a registered type, owned by a project.
 
-    At most one job per lane and at most ``GLOBAL_CONCURRENCY`` jobs are executing at any
-    moment: both are unique constraints over executing rows, not read-then-write checks.
+    At most one job per lane, at most ``GLOBAL_CONCURRENCY`` jobs in all and at most
+    ``ORG_MAX_EXECUTING`` jobs of one organization are executing at any moment: all three are
+    unique constraints over executing rows (lane, slot, organization and its slot), not
+    read-then-write checks.
     Active jobs with the same ``dedupe_key`` cannot coexist (another unique constraint).
     """
 
@@ -102,6 +104,8 @@ class Job(ConcurrentTransitionMixin, models.Model):
     max_failures = models.PositiveIntegerField(default=2)
     not_before = models.DateTimeField(null=True, blank=True)
     slot = models.PositiveSmallIntegerField(null=True, blank=True, help_text="concurrency slot while executing")
+    organization_slot = models.PositiveSmallIntegerField(
+        null=True, blank=True, help_text="the organization's concurrency slot while executing")
     worker = models.CharField(max_length=200, blank=True, default="")
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     timeout_s = models.FloatField(null=True, blank=True)
@@ -125,6 +129,7 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["project", "state"], name="job_project_state_idx"),
             models.Index(fields=["state", "lease_expires_at"], name="job_state_lease_idx"),
             models.Index(fields=["lane", "state"], name="job_lane_state_idx"),
+            models.Index(fields=["organization", "state"], name="job_organization_state_idx"),
         ]
         constraints = [
             models.UniqueConstraint(fields=["lane"], condition=models.Q(state="executing") & ~models.Q(lane=""),
@@ -134,6 +139,10 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.UniqueConstraint(fields=["active_dedupe_key"], name="job_unique_active_dedupe_key"),
             models.CheckConstraint(condition=models.Q(state="executing") | models.Q(slot__isnull=True),
                                    name="job_slot_only_while_executing"),
+            models.UniqueConstraint(fields=["organization", "organization_slot"], condition=models.Q(state="executing"),
+                                    name="job_one_executing_per_organization_slot"),
+            models.CheckConstraint(condition=models.Q(state="executing") | models.Q(organization_slot__isnull=True),
+                                   name="job_organization_slot_only_while_executing"),
         ]
         permissions = [("requeue_job", "Can requeue a stuck job"), ("fail_job", "Can fail a stuck job"),
                        ("cancel_job", "Can cancel a job")]

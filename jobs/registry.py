@@ -8,11 +8,20 @@ deadline with a deterministic fallback result, cancel strategy, lane and hooks::
         type="reindex", run=reindex, validate=validate_reindex,
         priority_class="background", dedupe=Dedupe("drop_duplicate", key=lambda p, project: p["index"]),
     ))
+
+Lanes belong to the engine: a definition names the kind of lane its jobs run in (``"project"``,
+``"run"`` or ``"none"``) and the engine builds the key from what it trusts (the job's project,
+the run it was enqueued for), never from the payload. A definition may instead let its jobs
+choose a lane (a callable of the payload): the name chosen is checked (a string of at most
+``PAYLOAD_LANE_MAX_LENGTH`` characters, no control characters) and always namespaced under the
+job's project (``project:<id>:user:<name>``), so no payload can name, and so block, a run's or a
+project's lane or another project's lanes.
 """
 
 from __future__ import annotations
 
 import random
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -21,6 +30,8 @@ from django.conf import settings
 from core.errors import ValidationFailed
 
 DEDUPE_MODES = ("single_flight", "drop_duplicate", "merge_duplicate", "none")
+ENGINE_LANES = ("project", "run", "none")  # built by the engine from the job's project / run
+PAYLOAD_LANE_MAX_LENGTH = 100  # "project:<id>:user:" + name stays within Job.lane's 200 characters
 BACKOFF_STRATEGIES = ("exponential", "immediate_linear")
 
 
@@ -90,6 +101,30 @@ def _no_validation(payload: dict) -> dict:
     return payload
 
 
+def payload_lane_errors(name: Any) -> list[str]:
+    """Why ``name`` cannot be a lane chosen by a payload (empty: it can; ``""`` means no lane)."""
+    if not isinstance(name, str):
+        return ["a string"]
+    if len(name) > PAYLOAD_LANE_MAX_LENGTH:
+        return [f"at most {PAYLOAD_LANE_MAX_LENGTH} characters (got {len(name)})"]
+    if any(unicodedata.category(char).startswith("C") for char in name):
+        return ["no control, format or unassigned characters"]
+    return []
+
+
+def project_lane_key(project_id: int) -> str:
+    return f"project:{project_id}"
+
+
+def run_lane_key(run_id: int) -> str:
+    return f"run:{run_id}"
+
+
+def payload_lane_key(project_id: int, name: str) -> str:
+    """The lane a payload chose, inside its project's namespace (never an engine lane)."""
+    return f"project:{project_id}:user:{name}" if name else ""
+
+
 @dataclass(frozen=True)
 class JobDefinition:
     type: str
@@ -105,7 +140,10 @@ class JobDefinition:
     fallback: Callable[[dict], Any] | None = None
     cancel_strategy: str = "cooperative"  # or "mark_cancelled"
     graceful_ms: int = 5_000
-    lane: Callable[[dict, int], str] = lambda payload, project_id: f"project:{project_id}"
+    # "project" (one job of the type's project lane at a time), "run" (the lane of the run the
+    # job is enqueued for), "none", or a callable ``(payload, project_id) -> name`` of a lane
+    # the job chooses, namespaced under its project (see the module docstring).
+    lane: str | Callable[[dict, int], str] = "project"
     session_agent: str | None = None  # run inside the owner::agent worker session
     bootstrap_key: str | None = None
     on_queued: Callable | None = None
@@ -125,6 +163,9 @@ class JobDefinition:
             raise ValueError(f"{self.type}: priority_class must be interactive or background")
         if self.deadline_ms is not None and self.fallback is None:
             raise ValueError(f"{self.type}: a deadline needs a deterministic fallback result")
+        if not callable(self.lane) and self.lane not in ENGINE_LANES:
+            raise ValueError(f"{self.type}: lane must be one of {ENGINE_LANES} or a callable naming a lane "
+                             f"inside the job's project")
 
     @property
     def max_attempts(self) -> int:
@@ -139,6 +180,29 @@ class JobDefinition:
         if self.timeout_s is not None:
             return self.timeout_s
         return settings.ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS / 1000
+
+    def lane_key(self, payload: dict, *, project_id: int, run_id: int | None) -> str:
+        """The lane of a job of this type: an engine lane built from ``project_id``/``run_id``, or
+        the lane the payload chose inside the project's namespace. A bad choice raises
+        ``ValidationFailed`` naming ``payload.lane``."""
+        if self.lane == "project":
+            return project_lane_key(project_id)
+        if self.lane == "run":
+            if run_id is None:
+                raise ValidationFailed("missing run", errors={"run": [f"{self.type} jobs run in their run's lane"]})
+            return run_lane_key(run_id)
+        if self.lane == "none":
+            return ""
+        try:
+            name = self.lane(payload, project_id)
+        except Exception as exc:  # a lane function tripping over a malformed payload: bad input
+            raise ValidationFailed("invalid payload", errors={
+                "payload.lane": [f"rejected by the {self.type} lane ({type(exc).__name__})"]}) from exc
+        name = "" if name is None else name
+        problems = payload_lane_errors(name)
+        if problems:
+            raise ValidationFailed("invalid payload", errors={"payload.lane": problems})
+        return payload_lane_key(project_id, name)
 
     def validated(self, payload: Any) -> dict:
         if not isinstance(payload, dict):

@@ -16,7 +16,7 @@ from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobReason, JobState, PriorityClass, WorkerHeartbeat
-from jobs.services import jobs_eligible
+from jobs.services import jobs_eligible, organization_max_executing
 
 WAITING = list(WAITING_JOB_STATES)
 
@@ -180,7 +180,7 @@ def jobs_wait_explain(jobs: Iterable[Job], *, now=None) -> dict[int, dict[str, A
     if not jobs:
         return {}
     executing = list(Job.objects.filter(state=JobState.EXECUTING).order_by("started_at", "id").values(
-        "id", "type", "lane", "worker", "started_at", "timeout_s", "run_id"))
+        "id", "type", "lane", "worker", "started_at", "timeout_s", "run_id", "organization_id"))
     holders = {row["lane"]: row for row in executing if row["lane"]}
     lanes = {job.lane for job in jobs if job.lane}
     streaks = dict(JobLane.objects.filter(key__in=lanes).values_list("key", "interactive_streak")) if lanes else {}
@@ -196,7 +196,7 @@ def job_wait_explain(job: Job, *, now=None) -> dict[str, Any]:
     Returns ``waiting`` (whether it is in a waiting state at all), ``summary`` (one sentence),
     ``blockers`` (``[{"code", "detail"}]``, the most decisive first: ``not_queued``,
     ``awaiting_user_confirmation``, ``no_worker``, ``delayed``, ``lane_held``, ``global_cap``,
-    ``behind``), the lane and the job holding it, ``position`` among the jobs a worker could
+    ``organization_cap``, ``behind``), the lane and the job holding it, ``position`` among the jobs a worker could
     claim now (1 = next; ``None`` when the job itself cannot be claimed now), ``jobs_ahead``, its
     priority and age, the caps in effect (lane and global concurrency, jobs executing), the
     aging guard and, when delayed, when it becomes eligible (``eligible_at``).
@@ -286,6 +286,13 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
     if len(executing) >= concurrency:
         blockers.append({"code": "global_cap", "detail": f"all {concurrency} concurrency slots are busy "
                                                          f"({len(executing)} jobs executing)"})
+    organization_cap = organization_max_executing()
+    organization_executing = sum(1 for row in executing if row["organization_id"] == job.organization_id)
+    organization_capped = organization_cap < concurrency and organization_executing >= organization_cap
+    if organization_capped:  # (at a cap as wide as the pool, the global cap is the one that binds)
+        blockers.append({"code": "organization_cap", "detail": f"its organization has {organization_executing} "
+                                                               f"jobs executing, its cap (other organizations' "
+                                                               f"jobs are claimed meanwhile)"})
 
     if job.state in WAITING:
         aged = _aged_q(now)
@@ -300,7 +307,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         ahead = counts["aged_ahead"] if job_is_aged else counts["aged"] + counts["ahead"]
         explanation["jobs_ahead"] = ahead
         explanation["eligible_jobs"] = counts["eligible"]
-        claimable = not delayed and holder is None
+        claimable = not delayed and holder is None and not organization_capped
         if claimable:
             explanation["position"] = ahead + 1
         if ahead:

@@ -21,7 +21,7 @@ from django_fsm import can_proceed
 
 from core.errors import JobConflict, NotFound, QueueDisabled, QueueFull, ValidationFailed
 from core.metrics import metric_observation, metric_sample, metrics_add
-from core.models import Project
+from core.models import Organization, Project
 from core.services import audit_record, event_record, transition_log
 from jobs.models import (
     ACTIVE_JOB_STATES,
@@ -99,6 +99,7 @@ def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: 
         job.active_dedupe_key = None
     if target != JobState.EXECUTING:
         job.slot = None
+        job.organization_slot = None
         job.lease_expires_at = None
     job.save()
     _move_metrics(job, before, target)
@@ -167,6 +168,17 @@ def _after_commit_hook(definition: JobDefinition, hook_name: str, job: Job) -> N
     transaction.on_commit(call)
 
 
+def organization_max_waiting() -> int:
+    """``ORCHESTRATOR_QUEUE_ORG_MAX_WAITING``, or when 0 half the global cap (at least the project's)."""
+    return (settings.ORCHESTRATOR_QUEUE_ORG_MAX_WAITING
+            or max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL // 2))
+
+
+def organization_max_executing() -> int:
+    """``ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING``, or when 0 the global concurrency."""
+    return settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING or settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
+
+
 def _waiting_depth(**filters) -> int:
     return Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING_JOB_STATES,
                                           JobState.AWAITING_USER_CONFIRMATION], **filters).count()
@@ -180,8 +192,12 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
     Dedupe is enforced by a unique constraint over active jobs: ``single_flight`` returns the
     existing job (``already_queued``), ``drop_duplicate`` drops the new one (``dropped``),
     ``merge_duplicate`` merges the payload into a waiting job (``merged``). ``not_before``
-    delays the job (a queued job is claimable once it has passed). Caps raise
-    ``QueueFull`` with a retry hint. Invalid input raises ``ValidationFailed``; nothing is written.
+    delays the job (a queued job is claimable once it has passed). The caps on waiting jobs
+    (per project, per organization, in all) raise ``QueueFull`` with a retry hint; the project's
+    and the organization's are exact (their rows are locked, project then organization). The
+    lane comes from the definition (``JobDefinition.lane_key``): an engine lane built from
+    ``project`` and ``run_id``, or a lane the payload chose inside the project's namespace.
+    Invalid input raises ``ValidationFailed``; nothing is written.
     """
     if not settings.ORCHESTRATOR_QUEUE_ENABLED:
         raise QueueDisabled("the job queue is disabled (ORCHESTRATOR_QUEUE_ENABLED=false)")
@@ -189,11 +205,14 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
     if definition is None:
         raise ValidationFailed("unknown job type", errors={"type": [f"{job_type!r} is not a registered job type"]})
     payload = definition.validated(payload)
+    lane = definition.lane_key(payload, project_id=project.pk, run_id=run_id)
     key = definition.dedupe.key(payload, project.pk) if definition.dedupe.mode != "none" else None
     active_key = f"{definition.type}:{key}" if key else None
     with transaction.atomic():
         # Serializes enqueues of one project: its cap is exact and duplicates see each other.
         Project.objects.select_for_update().filter(pk=project.pk).first()
+        # Then of one organization (always after the project: one lock order): its cap is exact.
+        Organization.objects.select_for_update().filter(pk=project.organization_id).first()
         if active_key:
             existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
             if existing is not None:
@@ -202,6 +221,10 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
         if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
             raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
                             f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
+        in_organization = _waiting_depth(organization_id=project.organization_id)
+        if in_organization >= organization_max_waiting():
+            raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
+                            f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
         total = _waiting_depth()
         if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
             raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
@@ -212,7 +235,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             type=definition.type, version=definition.version, organization_id=project.organization_id,
             project=project, priority=definition.priority if priority is None else priority,
             priority_class=definition.priority_class, class_rank=0 if interactive else 1,
-            lane=definition.lane(payload, project.pk) or "", dedupe_key=key or "", active_dedupe_key=active_key,
+            lane=lane, dedupe_key=key or "", active_dedupe_key=active_key,
             payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
             timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
             thread_id=thread_id or (source_session_id or ""), run_id=run_id,
@@ -281,16 +304,27 @@ def _wake() -> None:
 # --- claiming -----------------------------------------------------------------------------
 
 def jobs_eligible(now):
-    """Jobs that may be claimed now: waiting, past ``not_before``, their lane idle."""
+    """Jobs that may be claimed now: waiting, past ``not_before``, their lane idle, their
+    organization below its cap of executing jobs (``organization_max_executing``)."""
     busy_lanes = Job.objects.filter(state=JobState.EXECUTING).exclude(lane="").values("lane")
+    busy_organizations = (Job.objects.filter(state=JobState.EXECUTING).order_by().values("organization_id")
+                          .annotate(n=Count("id")).filter(n__gte=organization_max_executing())
+                          .values("organization_id"))
     return (Job.objects.filter(state__in=list(WAITING_JOB_STATES))
             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
-            .exclude(lane__in=Subquery(busy_lanes)))
+            .exclude(lane__in=Subquery(busy_lanes))
+            .exclude(organization_id__in=Subquery(busy_organizations)))
 
 
 def _free_slots() -> list[int]:
     used = set(Job.objects.filter(state=JobState.EXECUTING).values_list("slot", flat=True))
     return [slot for slot in range(settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY) if slot not in used]
+
+
+def _free_organization_slots(organization_id: int) -> list[int]:
+    used = set(Job.objects.filter(state=JobState.EXECUTING, organization_id=organization_id)
+               .values_list("organization_slot", flat=True))
+    return [slot for slot in range(organization_max_executing()) if slot not in used]
 
 
 def jobs_claim_order(now) -> tuple:
@@ -320,7 +354,9 @@ def _pick_sql(*, aged: bool) -> str:
         sql = (f"SELECT * FROM {job} WHERE {qn('state')} IN ({waiting})"
                f" AND ({qn('not_before')} IS NULL OR {qn('not_before')} <= %s)"
                f" AND NOT ({qn('lane')} IN (SELECT b.{qn('lane')} FROM {job} b"
-               f" WHERE b.{qn('state')} = %s AND NOT (b.{qn('lane')} = %s)))")
+               f" WHERE b.{qn('state')} = %s AND NOT (b.{qn('lane')} = %s)))"
+               f" AND NOT ({qn('organization_id')} IN (SELECT o.{qn('organization_id')} FROM {job} o"
+               f" WHERE o.{qn('state')} = %s GROUP BY o.{qn('organization_id')} HAVING COUNT(*) >= %s))")
         if aged:
             sql += (f" AND {qn('lane')} IN (SELECT l.{qn('key')} FROM {lane} l WHERE l.{qn('interactive_streak')} >= %s)"
                     f" AND {qn('priority_class')} = %s AND {qn('queued_at')} <= %s"
@@ -337,7 +373,8 @@ def _pick_sql(*, aged: bool) -> str:
 def _pick(now) -> Job | None:
     """The first job of ``jobs_claim_order``, locked (``SKIP LOCKED``: another worker's pick is passed over)."""
     adapt = connection.ops.adapt_datetimefield_value
-    eligible = [*sorted(state.value for state in WAITING_JOB_STATES), adapt(now), JobState.EXECUTING.value, ""]
+    eligible = [*sorted(state.value for state in WAITING_JOB_STATES), adapt(now), JobState.EXECUTING.value, "",
+                JobState.EXECUTING.value, organization_max_executing()]
     aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
     aged = [*eligible, settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST, PriorityClass.BACKGROUND.value, adapt(aging)]
     for sql, params in ((_pick_sql(aged=True), aged), (_pick_sql(aged=False), eligible)):
@@ -352,8 +389,11 @@ def job_claim(*, worker: str, now=None) -> Job | None:
 
     Order: aged background jobs of a lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs
     in a row first, then lower ``priority``, interactive before background, FIFO. A job is
-    eligible when waiting, past ``not_before``, its lane idle and a concurrency slot free; the
-    lane and slot limits are unique constraints, so a lost race is retried, never doubled.
+    eligible when waiting, past ``not_before``, its lane idle, a concurrency slot free and its
+    organization below its cap of executing jobs (``organization_max_executing``; an organization
+    at its cap is passed over: its jobs stay queued and another organization's take the slot).
+    The lane, slot and organization-slot limits are unique constraints, so a lost race is
+    retried, never doubled.
     """
     for _ in range(8):
         now = now or timezone.now()
@@ -365,8 +405,13 @@ def job_claim(*, worker: str, now=None) -> Job | None:
                 job = _pick(now)
                 if job is None:
                     return None
+                organization_slots = _free_organization_slots(job.organization_id)
+                if not organization_slots:  # the organization reached its cap since the pick: look again
+                    now = None
+                    continue
                 job.attempts += 1
                 job.slot = random.choice(slots)
+                job.organization_slot = random.choice(organization_slots)
                 job.worker = worker
                 job.not_before = None
                 job.started_at = job.started_at or now

@@ -222,7 +222,17 @@ ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT
 ORCHESTRATOR_RUN_AUTO_RECOVER = env_bool("ORCHESTRATOR_RUN_AUTO_RECOVER", True)
 ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
-ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
+# Outbound HTTP of the http_request tool and the http_ok check (runs/http_fetch.py): entries are
+# "host" (any port), "host:port", an IP address or "[v6]:port". Empty: no outbound call at all.
+# A loopback, private, link-local ... address is reached only when an IP entry names it.
+ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", [])
+ORCHESTRATOR_HTTP_MAX_REDIRECTS = env_int("ORCHESTRATOR_HTTP_MAX_REDIRECTS", 3)
+ORCHESTRATOR_HTTP_MAX_RESPONSE_BYTES = env_int("ORCHESTRATOR_HTTP_MAX_RESPONSE_BYTES", 256 * 1024)
+# Files file_digest checks and file_sha256 pins may read (the default directory is created when
+# first needed; it holds neither the database nor the artifacts), and the largest they hash.
+ORCHESTRATOR_PIPELINE_FILE_ROOTS = env_list("ORCHESTRATOR_PIPELINE_FILE_ROOTS",
+                                            [str(BASE_DIR / "var" / "pipeline-files")])
+ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES = env_int("ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES", 256 * 1024 * 1024)
 
 # --- Logs ----------------------------------------------------------------------------------------
 # One JSON object per line (core/logging.py), or text. Every state transition is an INFO record
@@ -289,6 +299,12 @@ ORCHESTRATOR_QUEUE_ENABLED = env_bool("ORCHESTRATOR_QUEUE_ENABLED", True)
 ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = env_int("ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY", 2)
 ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = env_int("ORCHESTRATOR_QUEUE_MAX_PER_PROJECT", 100)
 ORCHESTRATOR_QUEUE_MAX_GLOBAL = env_int("ORCHESTRATOR_QUEUE_MAX_GLOBAL", 500)
+# Per organization, so one tenant cannot starve the others (0: derived when used): waiting jobs
+# (half the global cap, never below the per-project cap) and executing jobs (the whole pool,
+# which a single-organization setup needs; set it below the global concurrency when tenants
+# share the workers).
+ORCHESTRATOR_QUEUE_ORG_MAX_WAITING = env_int("ORCHESTRATOR_QUEUE_ORG_MAX_WAITING", 0)
+ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING = env_int("ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING", 0)
 ORCHESTRATOR_QUEUE_MAX_ATTEMPTS = env_int("ORCHESTRATOR_QUEUE_MAX_ATTEMPTS", 2)
 ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS = env_int("ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS", 60_000)
 ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = env_int("ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS", 15_000)

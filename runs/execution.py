@@ -19,19 +19,12 @@ from django.db.models import Min
 from django.utils import timezone
 
 from core.errors import CommandConflict, InvalidTransition, NotFound, ValidationFailed
-from jobs.registry import (
-    Dedupe,
-    JobCancelled,
-    JobDefinition,
-    JobTimeout,
-    RetryPolicy,
-    register,
-)
+from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
 from jobs.services import job_enqueue
+from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
 from runs.pipeline.gates import gate_execute
-from jobs.tools import tool_get
 
 logger = logging.getLogger("orchestrator.runs")
 
@@ -39,7 +32,7 @@ STEP_JOB_TIMEOUT_S = 300
 
 
 def run_lane(run_id: int) -> str:
-    return f"run:{run_id}"
+    return run_lane_key(run_id)
 
 
 def _positive_int(payload: dict, key: str, errors: dict) -> None:
@@ -182,13 +175,13 @@ def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
 
 RUN_TICK = register(JobDefinition(
     type="run_tick", run=_tick, validate=_validate_tick, priority_class="interactive",
-    lane=lambda payload, project_id: run_lane(payload["run"]),
+    lane="run",  # the run the tick is enqueued for (run_id), not the payload: one tick per run at a time
     retry=RetryPolicy(max_attempts=5, base_delay_ms=200), timeout_s=60,
 ))
 
 RUN_STEP = register(JobDefinition(
     type="run_step", run=_step, validate=_validate_step, priority_class="interactive",
-    lane=lambda payload, project_id: "",
+    lane="none",
     dedupe=Dedupe("drop_duplicate", key=lambda payload, project_id: f"{payload['step']}:{payload['round']}"),
     retry=RetryPolicy(max_attempts=3, base_delay_ms=200), timeout_s=STEP_JOB_TIMEOUT_S,
 ))

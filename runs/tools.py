@@ -6,13 +6,9 @@ runs app loads.
 from __future__ import annotations
 
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
-
-from django.conf import settings
 
 from jobs.tools import RETRYABLE_HTTP_STATUSES, FatalToolError, RetryableToolError, ToolContext, register_tool
+from runs.http_fetch import FetchError, http_fetch, target_parse
 
 
 def _validate_echo(args: dict) -> list[str]:
@@ -46,9 +42,6 @@ def sleep(args: dict, ctx: ToolContext) -> dict:
         time.sleep(min(0.05, remaining))
 
 
-HTTP_MAX_RESPONSE_BYTES = 256 * 1024
-
-
 def _validate_http(args: dict) -> list[str]:
     errors = []
     url = args.get("url")
@@ -56,41 +49,32 @@ def _validate_http(args: dict) -> list[str]:
         errors.append("url: required, a string")
     else:
         try:
-            parsed = urllib.parse.urlparse(url)
-            valid = parsed.scheme in ("http", "https") and bool(parsed.hostname)
-        except ValueError:  # e.g. "http://[" (an unclosed IPv6 literal)
-            valid = False
-        if not valid:
-            errors.append("url: must be an http(s) URL")
+            target_parse(url)
+        except FetchError as exc:
+            errors.append(f"url: must be an http(s) URL ({exc})")
     method = args.get("method", "GET")
     if method not in ("GET", "POST", "PUT", "DELETE", "HEAD"):
         errors.append("method: one of GET, POST, PUT, DELETE, HEAD")
+    timeout = args.get("timeout", 10)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 30:
+        errors.append("timeout: seconds, more than 0 and at most 30")
     return errors
 
 
 @register_tool("http_request", cost=2, timeout_s=30, validate=_validate_http)
 def http_request(args: dict, ctx: ToolContext) -> dict:
-    """Call an allow-listed URL (``ORCHESTRATOR_HTTP_ALLOWED_HOSTS``), 10 s timeout, 256 KiB cap."""
+    """Call an allow-listed URL (``ORCHESTRATOR_HTTP_ALLOWED_HOSTS``) through the guarded fetch
+    (``runs.http_fetch``): 10 s timeout, body capped, redirects re-checked."""
     url = args["url"]
-    host = urllib.parse.urlparse(url).hostname
-    if host not in settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS:
-        raise FatalToolError(f"host {host!r} is not allow-listed", code="host_not_allowed")
-    request = urllib.request.Request(url, method=args.get("method", "GET"),
-                                     headers={"Idempotency-Key": ctx.idempotency_key})
-    timeout = float(args.get("timeout", 10))
     try:
-        with urllib.request.urlopen(request, timeout=min(timeout, 30)) as response:
-            body = response.read(HTTP_MAX_RESPONSE_BYTES + 1)
-            if len(body) > HTTP_MAX_RESPONSE_BYTES:
-                raise FatalToolError(f"response larger than {HTTP_MAX_RESPONSE_BYTES} bytes",
-                                     code="response_too_large")
-            return {"status": response.status, "body": body.decode("utf-8", "replace")}
-    except urllib.error.HTTPError as exc:
-        if exc.code in RETRYABLE_HTTP_STATUSES:
-            raise RetryableToolError(f"HTTP {exc.code} from {url}", code=f"http_{exc.code}") from exc
-        raise FatalToolError(f"HTTP {exc.code} from {url}", code=f"http_{exc.code}") from exc
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
-        raise RetryableToolError(f"cannot reach {url}: {exc}", code="connection_error") from exc
+        result = http_fetch(url, method=args.get("method", "GET"), headers={"Idempotency-Key": ctx.idempotency_key},
+                            timeout=min(float(args.get("timeout", 10)), 30))
+    except FetchError as exc:
+        raise (RetryableToolError if exc.retryable else FatalToolError)(str(exc), code=exc.code) from exc
+    if result.status >= 400:
+        error_class = RetryableToolError if result.status in RETRYABLE_HTTP_STATUSES else FatalToolError
+        raise error_class(f"HTTP {result.status} from {result.url}", code=f"http_{result.status}")
+    return {"status": result.status, "body": result.body.decode("utf-8", "replace")}
 
 
 def _validate_fail(args: dict) -> list[str]:

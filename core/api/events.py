@@ -6,6 +6,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
+from core.api.actors import ActorNames
 from core.api.tenancy import organization_ids
 from core.models import Event
 
@@ -28,15 +29,24 @@ def event_envelope(row: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def events_of_every_organization(user) -> bool:
+    """May ``user`` read every organization's events? Staff with ``core.view_event`` only (the
+    Operators group's permission alone does not open other tenants). The live socket and the REST
+    feed both ask this."""
+    return bool(user is not None and user.is_authenticated and user.is_active and user.is_staff
+                and user.has_perm("core.view_event"))
+
+
 def events_visible(request) -> QuerySet:
     """Events of the caller's organizations; staff with ``core.view_event`` see all."""
-    if request.user.has_perm("core.view_event"):
+    if events_of_every_organization(request.user):
         return Event.objects.all()
     return Event.objects.filter(organization_id__in=organization_ids(request))
 
 
 def event_page(request, queryset: QuerySet, *, after: int, limit: int) -> dict[str, Any]:
-    """One page of events after ``after`` in id order, with the URL of the next one."""
+    """One page of events after ``after`` in id order, with the URL of the next one (actors as
+    the caller may see them: ``core.api.actors``)."""
     rows = list(queryset.filter(id__gt=after).order_by("id").values(*EVENT_FIELDS)[:limit])
     last_id = rows[-1]["id"] if rows else None
     next_url = None
@@ -44,4 +54,5 @@ def event_page(request, queryset: QuerySet, *, after: int, limit: int) -> dict[s
         query = request.query_params.copy()
         query["after"] = str(last_id)
         next_url = request.build_absolute_uri(f"{request.path}?{query.urlencode()}")
-    return {"results": [event_envelope(row) for row in rows], "next": next_url, "last_id": last_id}
+    names = ActorNames.for_request(request)
+    return {"results": [names.event(event_envelope(row)) for row in rows], "next": next_url, "last_id": last_id}

@@ -1,7 +1,7 @@
 """``Idempotency-Key`` on every POST (DESIGN §2.3, seed 001 §4.1 and §8.5).
 
-A key is stored per (organization, key, endpoint) with the request's hash and, once the
-request is done, its response, for ``ORCHESTRATOR_IDEMPOTENCY_TTL_S`` (24 h):
+A key is stored per (organization, caller, key, endpoint) with the request's hash and, once
+the request is done, its response, for ``ORCHESTRATOR_IDEMPOTENCY_TTL_S`` (24 h):
 
 * the first request inserts the row ``in_flight`` and **commits** it before it runs, so a
   concurrent duplicate sees it and answers ``409 idempotency_key_in_use``;
@@ -14,6 +14,11 @@ request is done, its response, for ``ORCHESTRATOR_IDEMPOTENCY_TTL_S`` (24 h):
   next request with the key runs afresh;
 * a row left in flight by a request that crashed is taken over after
   ``ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S``; an expired row counts as absent.
+
+The caller is the authenticated user (its API token and its session are one caller). Keys are
+the caller's own, as in Stripe's API: another user of the organization sending the same key
+has its own request processed and never receives this caller's stored answer (nor its 409 or
+422).
 
 No library does this right for DRF (the known one runs concurrent duplicates twice), so it
 is ours. ``IdempotentViewMixin`` applies it to every POST of a view.
@@ -106,9 +111,9 @@ def request_hash(*, method: str, query_string: str, body: bytes) -> str:
     return digest.hexdigest()
 
 
-def idempotency_claim(*, organization_id: int, key: str, endpoint: str,
+def idempotency_claim(*, organization_id: int, user_id: int, key: str, endpoint: str,
                       digest: str) -> Claim | StoredResponse:
-    """Own the key (insert, or take over an expired or abandoned row) or answer from its row.
+    """Own the caller's key (insert, or take over an expired or abandoned row) or answer from its row.
 
     Raises ``IdempotencyKeyReused`` (another body) or ``IdempotencyKeyInUse`` (in flight).
     The insert commits at once: it must not run inside a transaction.
@@ -122,13 +127,13 @@ def idempotency_claim(*, organization_id: int, key: str, endpoint: str,
                  "locked_at": now, "created_at": now, "expires_at": now + ttl, "completed_at": None,
                  "response_status": None, "response_content_type": "", "response_body": None}
         # Read first: a replay or a duplicate in flight then never takes a write lock.
-        record = IdempotencyRecord.objects.filter(organization_id=organization_id, key=key,
+        record = IdempotencyRecord.objects.filter(organization_id=organization_id, user_id=user_id, key=key,
                                                   endpoint=endpoint).first()
         if record is None:
             try:
                 with transaction.atomic(durable=True):
-                    record = IdempotencyRecord.objects.create(organization_id=organization_id, key=key,
-                                                              endpoint=endpoint, **fresh)
+                    record = IdempotencyRecord.objects.create(organization_id=organization_id, user_id=user_id,
+                                                              key=key, endpoint=endpoint, **fresh)
                 return Claim(record.pk, token)
             except IntegrityError:  # a concurrent request inserted it first: read it again
                 continue
@@ -247,11 +252,14 @@ class IdempotentViewMixin:
         except RawPostDataException:  # a form body already read (CSRF check): DRF answers 415
             return None
         digest = request_hash(method=request.method, query_string=raw.META.get("QUERY_STRING", ""), body=body)
+        user_id = getattr(request.user, "pk", None)
+        if user_id is None:  # no caller to own the key (the endpoints that take POSTs require one)
+            return None
         organization_id = self.idempotency_organization_id(request)
         if organization_id is None:
             return None
-        outcome = idempotency_claim(organization_id=organization_id, key=key, endpoint=raw.path[:255],
-                                    digest=digest)
+        outcome = idempotency_claim(organization_id=organization_id, user_id=user_id, key=key,
+                                    endpoint=raw.path[:255], digest=digest)
         if isinstance(outcome, StoredResponse):
             raise _Replay(outcome.as_http_response())
         return outcome

@@ -54,13 +54,16 @@ class HealthPartSerializer(serializers.Serializer):
 
 
 class HealthSerializer(serializers.Serializer):
+    """Anonymous callers get ``status`` only; staff and the metrics token get the parts too."""
+
     status = serializers.ChoiceField(choices=["ok", "failing"])
-    failing = serializers.ListField(child=serializers.CharField(), help_text="names of the failing parts")
-    database = serializers.DictField()
-    broker = serializers.DictField()
-    workers = serializers.DictField()
-    relay = serializers.JSONField(help_text='the relay cursor and its lag, or "not running"')
-    queue = serializers.DictField()
+    failing = serializers.ListField(child=serializers.CharField(), required=False,
+                                    help_text="names of the failing parts (staff or metrics token)")
+    database = serializers.DictField(required=False)
+    broker = serializers.DictField(required=False)
+    workers = serializers.DictField(required=False)
+    relay = serializers.JSONField(required=False, help_text='the relay cursor and its lag, or "not running"')
+    queue = serializers.DictField(required=False)
 
 
 class PingSerializer(serializers.Serializer):

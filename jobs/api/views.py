@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
@@ -27,12 +29,20 @@ from jobs.registry import definition_get
 from jobs.services import job_as_dict, job_cancel, job_enqueue
 from jobs.sessions import worker_session_user_operation
 
+logger = logging.getLogger("orchestrator.api")
+
 WAIT_POLL_S = (0.01, 0.2)  # first and longest pause between two looks at a waited-for job
 WORKERS_SEEN_WINDOW = timedelta(minutes=1)
 
 
 def job_wait(job_id: int, timeout_s: float) -> Job:
-    """The job once it is terminal, or as it is when ``timeout_s`` has passed."""
+    """The job once it is terminal, or as it is when ``timeout_s`` has passed.
+
+    Between two looks it holds no database connection (it gives it back, to the pool when there
+    is one): a request may wait seconds, and waiting requests must not use up the connections
+    the workers that would finish their jobs need. Inside a transaction (never in a request that
+    waits: its handler commits first) the connection is the transaction's and stays.
+    """
     deadline = time.monotonic() + timeout_s
     pause = WAIT_POLL_S[0]
     while True:
@@ -40,6 +50,8 @@ def job_wait(job_id: int, timeout_s: float) -> Job:
         remaining = deadline - time.monotonic()
         if job.is_terminal or remaining <= 0:
             return job
+        if not connection.in_atomic_block:
+            connection.close()
         time.sleep(min(pause, remaining))
         pause = min(pause * 2, WAIT_POLL_S[1])
 
@@ -199,14 +211,35 @@ HEALTH_CHECKS = {"database": _health_database, "broker": _health_broker, "worker
                  "relay": _health_relay, "queue": _health_queue}
 
 
+def _health_details_allowed(request) -> bool:
+    """The parts and their details are for staff (a session or an API token) and for the metrics
+    token (``ORCHESTRATOR_METRICS_TOKEN``, as ``Authorization: Bearer``); anyone else gets the status."""
+    from rest_framework.authentication import TokenAuthentication
+    from rest_framework.exceptions import APIException
+
+    from core.metrics import metrics_access
+
+    if metrics_access(request) is None:  # the metrics token, or a staff session
+        return True
+    try:
+        authenticated = TokenAuthentication().authenticate(request)
+    except APIException:  # a wrong token: just not staff
+        return False
+    return authenticated is not None and authenticated[0].is_active and authenticated[0].is_staff
+
+
 class HealthView(ApiView):
-    """Database, broker, workers seen in the last minute, relay lag, queue enabled."""
+    """Database, broker, workers seen in the last minute, relay lag, queue enabled.
+
+    No authentication is needed for the status (``ok``/``failing``, 200/503); the parts, with a
+    failing part's error, only for staff and the metrics token."""
 
     permission_classes = [AllowAny]
-    authentication_classes = []
+    authentication_classes = [SessionAuthentication]  # a staff session sees the parts; a token: see below
     throttle_classes = []
 
-    @extend_schema(summary="Health: 200 when every part is ok, 503 naming the failing parts",
+    @extend_schema(summary="Health: 200 when every part is ok, else 503; staff and the metrics token also get "
+                           "the parts and the names of the failing ones",
                    responses={200: HealthSerializer, 503: HealthSerializer})
     def get(self, request):
         parts: dict = {}
@@ -214,7 +247,10 @@ class HealthView(ApiView):
             try:
                 parts[name] = check()
             except Exception as exc:  # a failing part is reported, never raised
+                logger.warning("health: %s failed: %s: %s", name, type(exc).__name__, exc)
                 parts[name] = {"ok": False, "detail": f"{type(exc).__name__}: {exc}"}
         failing = [name for name, part in parts.items() if isinstance(part, dict) and not part.get("ok")]
-        body = {"status": "failing" if failing else "ok", "failing": failing, **parts}
+        body = {"status": "failing" if failing else "ok"}
+        if _health_details_allowed(request):
+            body.update({"failing": failing, **parts})
         return Response(body, status=status.HTTP_503_SERVICE_UNAVAILABLE if failing else status.HTTP_200_OK)

@@ -82,6 +82,6 @@ def classify_command_error(exc: BaseException) -> str:
 
 COMMAND = register(JobDefinition(
     type=JOB_TYPE, run=command_job_run, validate=command_job_validate, priority_class="background",
-    lane=lambda payload, project_id: f"project:{project_id}",
+    lane="project",
     dedupe=Dedupe("none"), retry=RetryPolicy(max_attempts=3, classify=classify_command_error),
 ))

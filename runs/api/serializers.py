@@ -6,6 +6,7 @@ from django.db import connection
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from core.api.actors import ActorNames
 from core.api.serializers import json_without_nul
 from core.api.tenancy import MAX_ID
 from runs.models import (
@@ -261,6 +262,9 @@ class RunDetailSerializer(RunSerializer):
 
 
 class EscalationSerializer(serializers.ModelSerializer):
+    """A ticket; who acknowledged and resolved it is shown to non-staff callers as a member's
+    username or ``operator`` (``core.api.actors``)."""
+
     status = serializers.ChoiceField(choices=EscalationTicket.Status.choices, read_only=True)
     acknowledged_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     resolved_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
@@ -270,6 +274,14 @@ class EscalationSerializer(serializers.ModelSerializer):
         fields = ["id", "organization", "run", "status", "trigger", "severity", "detail", "created_at",
                   "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution"]
         read_only_fields = fields
+
+    def to_representation(self, instance: EscalationTicket) -> dict:
+        data = super().to_representation(instance)
+        names = ActorNames.for_request(self.context.get("request"))
+        for field in ("acknowledged_by", "resolved_by"):
+            data[field] = names.label(data[field], organization_id=instance.organization_id,
+                                      user_id=getattr(instance, f"{field}_id"))
+        return data
 
 
 class ResolveSerializer(serializers.Serializer):

@@ -14,7 +14,7 @@ from rest_framework.exceptions import ValidationError
 from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
-from core.api.events import event_page, events_visible
+from core.api.events import event_page, events_of_every_organization, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
 from core.api.schema import ERROR_CODES, errors
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
@@ -192,9 +192,11 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     @extend_schema(summary="Void a stopped run (paused or failed): cancelled as voided:<reason>, its phase keys "
                            "released, unused credits refunded",
                    request=ReasonRequiredSerializer,
-                   responses={200: RunDetailSerializer, **errors("not_found", "invalid_transition")})
+                   responses={200: RunDetailSerializer, **errors("not_found", "permission_denied",
+                                                                  "invalid_transition")})
     @action(detail=True, methods=["post"])
     def void(self, request, pk=None):
+        _require_authority(request, self.get_object(), "runs.void_run", "voiding a run")
         serializer = ReasonRequiredSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         run = services.run_void(run_id=self.get_object().pk, actor=request.user,
@@ -239,12 +241,13 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                                    **query.validated_data))
 
 
-def _require_authority(request, run: Run, permission: str, what: str) -> None:
-    """A sovereign decision (approve a gate, accept drift) is not any member's: it needs the run's
-    organization's owner role, or ``permission`` (the console's Operators have it)."""
+def _require_authority(request, target: Run | EscalationTicket, permission: str, what: str) -> None:
+    """A sovereign decision (approve a gate, accept drift, void a run, acknowledge or resolve an
+    escalation) is not any member's: it needs the owner role of ``target``'s organization, or
+    ``permission`` (the one the admin's runbook asks for; the console's Operators have it)."""
     user = request.user
     if user.has_perm(permission) or Membership.objects.filter(
-            user=user, organization_id=run.organization_id, role=Membership.Role.OWNER).exists():
+            user=user, organization_id=target.organization_id, role=Membership.Role.OWNER).exists():
         return
     raise PermissionRefused(f"{what} needs the organization's owner role or the {permission!r} permission",
                             permission=permission)
@@ -271,25 +274,31 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
     filterset_class = EscalationFilter
     entity = "escalation"
 
-    @extend_schema(summary="Acknowledge: open → acknowledged", request=ActionSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "invalid_transition")})
+    @extend_schema(summary="Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
+                   request=ActionSerializer,
+                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
+                                                                  "invalid_transition")})
     @action(detail=True, methods=["post"])
     def acknowledge(self, request, pk=None):
+        _require_authority(request, self.get_object(), "runs.manage_escalation", "acknowledging an escalation")
         serializer = ActionSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         ticket = escalations.escalation_acknowledge(ticket_id=self.get_object().pk, actor=request.user,
                                                     reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket).data)
+        return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
-    @extend_schema(summary="Resolve with a resolution note", request=ResolveSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "invalid_transition")})
+    @extend_schema(summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
+                   request=ResolveSerializer,
+                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
+                                                                  "invalid_transition")})
     @action(detail=True, methods=["post"])
     def resolve(self, request, pk=None):
+        _require_authority(request, self.get_object(), "runs.manage_escalation", "resolving an escalation")
         serializer = ResolveSerializer(data=request.data)
         serializer.is_valid(raise_exception=True)
         ticket = escalations.escalation_resolve(ticket_id=self.get_object().pk, actor=request.user,
                                                 reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket).data)
+        return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
 
 class EventListView(ApiView):
@@ -302,7 +311,7 @@ class EventListView(ApiView):
         query.is_valid(raise_exception=True)
         data = dict(query.validated_data)
         queryset = events_visible(request)
-        staff_view = request.user.has_perm("core.view_event")
+        staff_view = events_of_every_organization(request.user)
         for name, finder in (("organization", lambda pk: visible_get(visible_organizations(request), request, pk,
                                                                        entity="organization", field="id")),
                              ("project", lambda pk: visible_project(request, pk)),

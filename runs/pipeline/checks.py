@@ -13,15 +13,17 @@ a few lines::
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import urllib.error
-import urllib.parse
-import urllib.request
+import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from django.conf import settings
+
+from runs.http_fetch import REFUSAL_CODES, FetchError, http_fetch, target_parse
 
 # Keys the plan puts in a check step's arguments that are not the check's own.
 STEP_KEYS = ("check", "gate")
@@ -103,43 +105,136 @@ def _jsonable(value: Any) -> Any:
 
 # --- file paths --------------------------------------------------------------------------------
 
+DEFAULT_FILE_MAX_BYTES = 256 * 1024 * 1024
+
+
+class PipelineFileError(Exception):
+    """A file a check or pin may not read (outside the roots, the database, an artifact, too large)."""
+
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _default_file_root() -> str:
+    return str(settings.BASE_DIR / "var" / "pipeline-files")
+
+
 def file_roots() -> list[str]:
-    """Directories whose files checks and pins may read (``ORCHESTRATOR_PIPELINE_FILE_ROOTS``)."""
+    """Directories whose files checks and pins may read (``ORCHESTRATOR_PIPELINE_FILE_ROOTS``; by
+    default ``var/pipeline-files/``, created when first needed)."""
     roots = getattr(settings, "ORCHESTRATOR_PIPELINE_FILE_ROOTS", None)
     if roots is None:
-        import os
+        roots = [_default_file_root()]
+    roots = [str(root) for root in roots]
+    if _default_file_root() in roots:
+        os.makedirs(_default_file_root(), exist_ok=True)
+    return roots
 
-        raw = os.environ.get("ORCHESTRATOR_PIPELINE_FILE_ROOTS")
-        roots = [part for part in raw.split(",") if part.strip()] if raw else [str(settings.BASE_DIR / "var")]
-    return [str(root) for root in roots]
+
+def _protected_paths() -> tuple[set[str], list[str]]:
+    """Files (the SQLite database and its sidecars) and directories (the artifacts) that no root opens."""
+    files: set[str] = set()
+    database = settings.DATABASES.get("default", {})
+    if "sqlite" in str(database.get("ENGINE", "")):
+        for name in (database.get("NAME"), getattr(settings, "SQLITE_PATH", None)):
+            if name and str(name) != ":memory:":
+                files.update(os.path.realpath(f"{name}{suffix}") for suffix in ("", "-wal", "-shm", "-journal"))
+    directories = [getattr(settings, "ORCHESTRATOR_ARTIFACT_ROOT", None),
+                   settings.STORAGES.get("artifacts", {}).get("OPTIONS", {}).get("location")]
+    return files, [os.path.realpath(str(path)) for path in directories if path]
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def file_locate(value: Any) -> tuple[str, list[str]]:
+    """The root (resolved) and the path's parts below it, once symlinks are resolved; a
+    ``PipelineFileError`` when the path is not a readable place for checks and pins."""
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise PipelineFileError("required, a file path", code="invalid_path")
+    if not os.path.isabs(value):
+        raise PipelineFileError("must be an absolute path", code="invalid_path")
+    if ".." in value.split(os.sep):
+        raise PipelineFileError("must not contain '..'", code="path_not_allowed")
+    real = os.path.realpath(value)
+    files, directories = _protected_paths()
+    if real in files or any(_within(real, directory) for directory in directories):
+        raise PipelineFileError("the database and the artifacts cannot be read by checks or pins",
+                                code="path_not_allowed")
+    roots = [os.path.realpath(root) for root in file_roots()]
+    for root in roots:
+        if real != root and _within(real, root):
+            return root, os.path.relpath(real, root).split(os.sep)
+    if real != os.path.normpath(value):
+        raise PipelineFileError(f"is a symlink leading out of {', '.join(roots)} (ORCHESTRATOR_PIPELINE_FILE_ROOTS)",
+                                code="path_not_allowed")
+    raise PipelineFileError(f"must be under one of {', '.join(roots)} (ORCHESTRATOR_PIPELINE_FILE_ROOTS)",
+                            code="path_not_allowed")
 
 
 def path_errors(value: Any, key: str = "path") -> list[str]:
-    """Plan-time check of a file path: absolute, under an allowed root once resolved."""
-    import os
-
-    if not isinstance(value, str) or not value.strip():
-        return [f"{key}: required, a file path"]
-    if not os.path.isabs(value):
-        return [f"{key}: must be an absolute path"]
-    real = os.path.realpath(value)
-    roots = [os.path.realpath(root) for root in file_roots()]
-    if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
-        return [f"{key}: must be under one of {', '.join(roots)} (ORCHESTRATOR_PIPELINE_FILE_ROOTS)"]
+    """Plan-time check of a file path: absolute, no '..', under an allowed root once resolved."""
+    try:
+        file_locate(value)
+    except PipelineFileError as exc:
+        return [f"{key}: {exc}"]
     return []
 
 
-def file_sha256(path: str) -> str | None:
-    """The file's SHA-256 (hex), or None when it is missing, unreadable or outside the roots."""
-    if path_errors(path):
-        return None
-    digest = hashlib.sha256()
+def _open_below(root: str, parts: list[str]) -> int:
+    """Open ``root/parts...`` for reading one part at a time without following a symlink, so a
+    path swapped for a symlink after it was checked is refused rather than followed."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    directory = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        with open(path, "rb") as handle:
-            for chunk in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(chunk)
-    except OSError:
+        for part in parts[:-1]:
+            below = os.open(part, flags | getattr(os, "O_DIRECTORY", 0), dir_fd=directory)
+            os.close(directory)
+            directory = below
+        # Non-blocking: opening a FIFO must not wait for a writer (it is refused just after).
+        return os.open(parts[-1], flags | getattr(os, "O_NONBLOCK", 0), dir_fd=directory)
+    finally:
+        os.close(directory)
+
+
+def file_max_bytes() -> int:
+    return int(getattr(settings, "ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES", DEFAULT_FILE_MAX_BYTES))
+
+
+def file_sha256(path: str) -> str | None:
+    """The file's SHA-256 (hex), or None while it is missing or unreadable. A path the rules refuse
+    (outside the roots, the database or an artifact, a symlink out, not a regular file, over
+    ``ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES``) raises ``PipelineFileError`` and is never read."""
+    root, parts = file_locate(path)
+    try:
+        descriptor = _open_below(root, parts)
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PipelineFileError(f"{path} changed into a symlink", code="path_not_allowed") from exc
+        return None
+    cap = file_max_bytes()
+    with os.fdopen(descriptor, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise PipelineFileError(f"{path} is not a regular file", code="path_not_allowed")
+        if status.st_size > cap:
+            raise PipelineFileError(f"{path} is {status.st_size} bytes, over the cap of {cap} bytes "
+                                    "(ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES)", code="file_too_large")
+        digest = hashlib.sha256()
+        total = 0
+        try:
+            for chunk in iter(lambda: handle.read(1 << 20), b""):
+                total += len(chunk)
+                if total > cap:  # the file grew while it was read
+                    raise PipelineFileError(f"{path} grew over the cap of {cap} bytes "
+                                            "(ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES)", code="file_too_large")
+                digest.update(chunk)
+        except OSError:
+            return None
     return digest.hexdigest()
 
 
@@ -183,21 +278,26 @@ def _validate_file_digest(args: dict) -> list[str]:
 
 @register_check("file_digest", validate=_validate_file_digest)
 def file_digest(args: dict, ctx: CheckContext) -> CheckResult:
-    """A file's SHA-256 equals the expected one."""
-    actual = file_sha256(args["path"])
+    """A file's SHA-256 equals the expected one (a file the rules refuse is not read: the reason
+    is in the details)."""
+    details: dict[str, Any] = {"path": args["path"], "expected": str(args["sha256"]).lower()}
+    try:
+        actual = file_sha256(args["path"])
+    except PipelineFileError as exc:
+        actual = None
+        details.update(error=str(exc), code=exc.code)
+    details["actual"] = actual
     return CheckResult({"file_readable": actual is not None,
-                        "sha256_matches": actual == str(args["sha256"]).lower()},
-                       {"path": args["path"], "expected": str(args["sha256"]).lower(), "actual": actual})
+                        "sha256_matches": actual == str(args["sha256"]).lower()}, details)
 
 
 def _validate_http_ok(args: dict) -> list[str]:
     url = args.get("url")
+    errors = []
     try:
-        parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
-        valid = parsed is not None and parsed.scheme in ("http", "https") and bool(parsed.hostname)
-    except ValueError:
-        valid = False
-    errors = [] if valid else ["url: required, an http(s) URL"]
+        target_parse(url)
+    except FetchError as exc:
+        errors.append(f"url: required, an http(s) URL ({exc})")
     timeout = args.get("timeout", 5)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 30:
         errors.append("timeout: seconds, more than 0 and at most 30")
@@ -206,24 +306,18 @@ def _validate_http_ok(args: dict) -> list[str]:
 
 @register_check("http_ok", validate=_validate_http_ok)
 def http_ok(args: dict, ctx: CheckContext) -> CheckResult:
-    """An allow-listed URL (``ORCHESTRATOR_HTTP_ALLOWED_HOSTS``) answers a GET with 2xx."""
+    """An allow-listed URL (``ORCHESTRATOR_HTTP_ALLOWED_HOSTS``) answers a GET with 2xx, through the
+    guarded fetch (``runs.http_fetch``: addresses, redirects and the allow-list checked)."""
     url = args["url"]
-    host = urllib.parse.urlparse(url).hostname
-    allowed = host in settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS
-    status = None
-    error = ""
-    if allowed:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url, method="GET"),
-                                        timeout=float(args.get("timeout", 5))) as response:
-                status = response.status
-        except urllib.error.HTTPError as exc:
-            status = exc.code
-        except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    details = {"url": url, "status": status}
-    if error:
-        details["error"] = error
+    details: dict[str, Any] = {"url": url, "status": None}
+    allowed = True
+    try:
+        result = http_fetch(url, method="GET", timeout=float(args.get("timeout", 5)), read_body=False)
+        details["status"] = result.status
+    except FetchError as exc:
+        allowed = exc.code not in REFUSAL_CODES
+        details.update(error=str(exc), code=exc.code)
+    status = details["status"]
     return CheckResult({"host_allowed": allowed, "answered_2xx": status is not None and 200 <= status < 300},
                        details)
 

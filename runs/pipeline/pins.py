@@ -53,7 +53,7 @@ def _validate_file(args: dict) -> list[str]:
 
 @register_pin_provider("file_sha256", validate=_validate_file)
 def pin_file_sha256(args: dict, run) -> str | None:
-    """The file's SHA-256 (None while it is missing)."""
+    """The file's SHA-256 (None while it is missing, or when the file rules refuse it)."""
     return file_sha256(args["path"])
 
 

@@ -103,10 +103,22 @@ def test_staff_with_view_event_see_every_organizations_events(tenant, other, dja
     mine = {e["organization"] for e in tenant.client.get("/api/v1/events/?limit=500").json()["results"]}
     assert mine == {tenant.organization.pk}
     tenant.user.user_permissions.add(Permission.objects.get(codename="view_event", content_type__app_label="core"))
+    mine = {e["organization"] for e in tenant.client.get("/api/v1/events/?limit=500").json()["results"]}
+    assert mine == {tenant.organization.pk}  # the permission without staff status: still its own only
+    tenant.user.is_staff = True
+    tenant.user.save(update_fields=["is_staff"])
     everything = tenant.client.get("/api/v1/events/?limit=500").json()["results"]
     assert {e["organization"] for e in everything} == {tenant.organization.pk, other.organization.pk, None}
     theirs = tenant.client.get(f"/api/v1/events/?organization={other.organization.pk}").json()["results"]
     assert theirs and {e["organization"] for e in theirs} == {other.organization.pk}
+
+
+@pytest.fixture
+def client(client, settings):
+    """A client holding the metrics token: health answers it with every part."""
+    settings.ORCHESTRATOR_METRICS_TOKEN = "health-details"
+    client.defaults["HTTP_AUTHORIZATION"] = "Bearer health-details"
+    return client
 
 
 def test_health_is_503_naming_the_failing_parts_then_200(client, settings):

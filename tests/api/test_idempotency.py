@@ -1,5 +1,5 @@
 """Idempotency-Key on POSTs: replay byte for byte with a single effect, 422 on another body,
-409 while in flight, per-organization keys, takeover of abandoned keys, expiry, concurrency."""
+409 while in flight, per-organization and per-caller keys, takeover of abandoned keys, expiry, concurrency."""
 
 from __future__ import annotations
 
@@ -82,18 +82,21 @@ def test_one_organizations_key_never_answers_another(tenant, other):
     mine = post(tenant, "/api/v1/runs/", tenant.run_body(), "shared-key")
     theirs = post(other, "/api/v1/runs/", other.run_body(), "shared-key")
     assert (mine.status_code, theirs.status_code) == (201, 201) and mine.json()["id"] != theirs.json()["id"]
-    # one user in both organizations: the same key in each organization is two keys
+    # one user in both organizations: the same key in each organization is two keys (and the
+    # other organization's owner's use of it is not this caller's)
     Membership.objects.create(organization=other.organization, user=tenant.user)
     in_other = post(tenant, "/api/v1/runs/", other.run_body(name="x"), "shared-key")
-    assert in_other.status_code == 422  # other's key exists with another body: its own answer, not tenant's
-    fresh = post(tenant, "/api/v1/runs/", other.run_body(name="y"), "fresh")
-    assert fresh.status_code == 201 and fresh.json()["organization"] == other.organization.pk
+    assert in_other.status_code == 201 and in_other.json()["organization"] == other.organization.pk
+    assert post(tenant, "/api/v1/runs/", other.run_body(name="x"), "shared-key").content == in_other.content
+    assert_error(post(tenant, "/api/v1/runs/", other.run_body(name="y"), "shared-key"), 422,
+                 "idempotency_key_reused")
     assert Run.objects.count() == 3
 
 
 def _claim_in_flight(tenant, path: str, body: dict, key: str):
     digest = request_hash(method="POST", query_string="", body=json.dumps(body).encode())
-    return idempotency_claim(organization_id=tenant.organization.pk, key=key, endpoint=path, digest=digest)
+    return idempotency_claim(organization_id=tenant.organization.pk, user_id=tenant.user.pk, key=key, endpoint=path,
+                             digest=digest)
 
 
 def test_a_key_in_flight_is_409_then_an_abandoned_one_is_taken_over(tenant, settings):

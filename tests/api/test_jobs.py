@@ -8,6 +8,7 @@ import pytest
 from django.db import connection
 from django.test import override_settings
 
+from core.services import project_create
 from jobs.models import CommandRecord, Job, WorkerSession
 from jobs.services import job_claim, job_complete
 from runs import services
@@ -99,6 +100,37 @@ def test_a_full_queue_is_429_with_retry_after(tenant):
     response = enqueue(tenant)
     body = assert_error(response, 429, "queue_full")
     assert int(response["Retry-After"]) == body["retry_after"] >= 1 and body["scope"] == "project"
+
+
+@override_settings(ORCHESTRATOR_QUEUE_ORG_MAX_WAITING=2)
+def test_an_organization_over_its_waiting_cap_is_429_while_another_enqueues(tenant, other):
+    second = project_create(organization=tenant.organization, name="second")
+    for project in (tenant.project.pk, second.pk):  # each project is under its own cap
+        assert enqueue(tenant, project=project).status_code == 202
+    response = enqueue(tenant)
+    body = assert_error(response, 429, "queue_full")
+    assert int(response["Retry-After"]) == body["retry_after"] >= 1 and body["scope"] == "organization"
+    assert enqueue(other).status_code == 202  # another organization is not held back
+
+
+@pytest.mark.parametrize("lane", ["x" * 201, "x" * 5000, "line\nbreak", "ctl\u0001", 12,
+                                  {"nested": "run:1"}])
+def test_a_bad_payload_lane_is_400_naming_the_field_never_500(tenant, lane):
+    body = assert_error(enqueue(tenant, payload={"lane": lane}), 400, "validation_error")
+    assert "payload.lane" in body["errors"]
+    assert Job.objects.count() == 0
+
+
+def test_a_payload_lane_cannot_name_another_tenants_lane(tenant, other):
+    response = enqueue(tenant, payload={"lane": f"project:{other.project.pk}"})
+    assert response.status_code == 202
+    assert response.json()["lane"] == f"project:{tenant.project.pk}:user:project:{other.project.pk}"
+    hostile = job_claim(worker="w1")
+    assert hostile.pk == response.json()["jobId"]
+    victim = other.client.post("/api/v1/jobs/", {"type": "command", "project": other.project.pk, "payload": {
+        "command": "create_deployment", "args": {"name": "web"}, "idempotency_key": "k"}}, format="json")
+    assert victim.status_code == 202 and victim.json()["lane"] == f"project:{other.project.pk}"
+    assert job_claim(worker="w2").pk == victim.json()["jobId"]  # its project lane was free
 
 
 @override_settings(ORCHESTRATOR_QUEUE_ENABLED=False)

@@ -131,8 +131,9 @@ def test_snapshot_figures_match_the_data(scene, settings):
     metrics = snapshot["metrics"]
 
     lanes = by_key(snapshot["queue"]["by_lane"])
+    prefix = f"project:{scene['project'].pk}:user:"  # a lane a payload names lives in its project
     assert {key: (row["waiting"], row["delayed"], row["executing"]) for key, row in lanes.items()} == {
-        "L1": (1, 0, 1), "L2": (1, 0, 0), "L3": (1, 1, 0)}
+        f"{prefix}L1": (1, 0, 1), f"{prefix}L2": (1, 0, 0), f"{prefix}L3": (1, 1, 0)}
     types = by_key(snapshot["queue"]["by_type"])
     assert {key: (row["waiting"], row["delayed"], row["executing"]) for key, row in types.items()} == {
         "dash_alpha": (1, 0, 1), "dash_beta": (2, 1, 0)}
@@ -198,7 +199,7 @@ def test_page_shows_the_figures(scene, make_staff, login):
     assert 'data-metric="escalations-open" data-value="1"' in html
     assert 'data-tile="escalations-open" data-alert="nonzero"' in html
     assert f'data-job="{scene["executing"].pk}"' in html
-    assert 'data-lane="L3"' in html and 'data-reason="fatal_error"' in html
+    assert f'data-lane="project:{scene["project"].pk}:user:L3"' in html and 'data-reason="fatal_error"' in html
 
 
 def listed_ids(client, url: str) -> set[int]:
@@ -222,7 +223,7 @@ def test_every_figure_links_to_the_rows_behind_it(scene, make_staff, login, sett
     assert listed_ids(client, links["escalations-open"]) == {scene["open_ticket"].pk}
     assert len(listed_ids(client, links["credits-reserved"])) == 1
     lanes = by_key(snapshot["queue"]["by_lane"])
-    assert len(listed_ids(client, lanes["L1"]["url"])) == 1
+    assert len(listed_ids(client, lanes[f"project:{scene['project'].pk}:user:L1"]["url"])) == 1
     fatal = by_key(snapshot["failures"]["jobs_by_reason"], "reason")["fatal_error"]
     assert len(listed_ids(client, fatal["url"])) == 2
     lost = by_key(snapshot["failures"]["runs_by_code"], "code")["worker_lost"]

@@ -510,3 +510,34 @@ def test_a_client_that_overflows_its_buffer_catches_up_from_the_database_in_orde
         await communicator.disconnect()
 
     asyncio.run(scenario())
+
+
+def test_a_staff_actor_reaches_tenants_as_operator_live_and_in_the_replay(member):
+    """Tenants see ``operator`` where the console's staff acted; staff watching see the name."""
+    from django.contrib.auth.models import Permission
+    from django.test import Client
+
+    organization, project, owner, cookie = member
+    staff = get_user_model().objects.create_user(username="night-shift-bob", is_staff=True)
+    staff.user_permissions.add(Permission.objects.get(codename="view_event", content_type__app_label="core"))
+    staff_cookie = session_cookie(Client(), staff)
+    first = services.run_create(project=project, name="replayed", plan=make_plan(), actor=owner)
+    services.run_cancel(run_id=first.pk, actor=staff, reason="stuck")
+    second = services.run_create(project=project, name="live", plan=make_plan(), actor=owner)
+
+    async def scenario():
+        tenant = await subscribed(cookie, organization=organization.pk, after=0)
+        watcher = await subscribed(staff_cookie, organization=organization.pk, after=0)
+        await sync_to_async(services.run_cancel)(run_id=second.pk, actor=staff, reason="stuck too")
+        count = await sync_to_async(Event.objects.filter(organization_id=organization.pk).count)()
+        seen, watched = await receive_events(tenant, count), await receive_events(watcher, count)
+        actors = {(e["run"], e["type"]): e.get("actor") for e in seen}
+        assert actors[(first.pk, "run_created")] == owner.username  # a member keeps the name
+        assert actors[(first.pk, "run_cancelled")] == actors[(second.pk, "run_cancelled")] == "operator"
+        assert "night-shift-bob" not in str(seen)
+        staff_actors = {(e["run"], e["type"]): e.get("actor") for e in watched}
+        assert staff_actors[(second.pk, "run_cancelled")] == "night-shift-bob"
+        await tenant.disconnect()
+        await watcher.disconnect()
+
+    asyncio.run(scenario())

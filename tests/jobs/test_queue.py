@@ -62,7 +62,7 @@ def test_one_executing_job_per_lane(project, define_job):
     second = job_claim(worker="w2")
     assert (first.pk, second.pk) == (a1.pk, b1.pk)  # lane A busy: B's job goes next
     assert job_claim(worker="w3") is None  # A busy, B busy (and the global cap is 2)
-    assert Job.objects.filter(state=JobState.EXECUTING, lane="A").count() == 1
+    assert Job.objects.filter(state=JobState.EXECUTING, lane=f"project:{project.pk}:user:A").count() == 1
 
 
 def test_global_concurrency_cap(project, settings):

@@ -53,10 +53,10 @@ def test_lane_held_by_another_job(project, types):
     holder = enqueue(project, lane="deploy")
     waiting = enqueue(project, lane="deploy")
     holder = job_claim(worker="w1")
-    assert holder.lane == "deploy"
+    assert holder.lane == f"project:{project.pk}:user:deploy"
     explanation = job_wait_explain(waiting)
     assert codes(explanation) == ["lane_held"]
-    assert explanation["lane"] == "deploy"
+    assert explanation["lane"] == holder.lane
     assert explanation["lane_holder"]["id"] == holder.pk and explanation["lane_holder"]["worker"] == "w1"
     assert explanation["position"] is None  # not claimable while its lane is held
     assert explanation["caps"] == {"lane_concurrency": 1, "global_concurrency": 2, "executing": 1, "free_slots": 1}
@@ -109,7 +109,7 @@ def test_global_cap_reached(project, types, settings):
     enqueue(project, lane="a")
     waiting = enqueue(project, lane="b")
     running = job_claim(worker="w1")
-    assert running.lane == "a"
+    assert running.lane == f"project:{project.pk}:user:a"
     explanation = job_wait_explain(waiting)
     assert codes(explanation) == ["global_cap"]
     assert explanation["caps"] == {"lane_concurrency": 1, "global_concurrency": 1, "executing": 1, "free_slots": 0}

@@ -57,8 +57,8 @@ def files(tmp_path, settings):
 
 
 @pytest.fixture
-def http_url():
-    """A local server answering 200 (the allow-listed host 127.0.0.1)."""
+def http_url(settings):
+    """A local server answering 200, allow-listed by its address and port."""
 
     class Ok(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -72,6 +72,7 @@ def http_url():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Ok)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    settings.ORCHESTRATOR_HTTP_ALLOWED_HOSTS = [f"127.0.0.1:{server.server_port}"]
     yield f"http://127.0.0.1:{server.server_port}/grants"
     server.shutdown()
 
