@@ -176,6 +176,11 @@ ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
 ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 
+# --- Billing (DESIGN §2.3) --------------------------------------------------------------------
+# Key of the ledger's HMAC-SHA256 hash chain. Empty: derived from SECRET_KEY when an entry is
+# hashed (billing/chain.py), never here. Changing it makes check_invariants flag every entry.
+ORCHESTRATOR_LEDGER_HMAC_KEY = env_str("ORCHESTRATOR_LEDGER_HMAC_KEY", "")
+
 # --- Logs ----------------------------------------------------------------------------------------
 # One JSON object per line (core/logging.py), or text. Every state transition is an INFO record
 # of "orchestrator.transitions" with entity, <entity>_id, project_id, run_id, type, attempt,
