@@ -492,7 +492,7 @@ def test_a_command_job_the_organization_cannot_pay_for_fails_without_running(org
         "command": "invoke_tool", "args": {"tool": "counted", "args": {}}, "idempotency_key": "named"})
     for _ in range(2):
         job = run_next()
-        assert (job.state, job.reason, job.attempts) == (JobState.FAILED, "insufficient_credits", 1)
+        assert (job.state, job.reason, job.attempts) == (JobState.FAILED, JobReason.INSUFFICIENT_CREDITS, 1)
         assert "InsufficientCredits" in job.error
     assert called == []
     assert CommandRecord.objects.count() == 0 and command_events() == []
@@ -515,7 +515,7 @@ def test_credits_running_out_stop_the_next_command_job(org_factory, tool):
     job_enqueue(job_type="command", project=project, payload={"tool": "counted", "args": {}})
     assert run_next().state == JobState.COMPLETED
     job = run_next()
-    assert (job.state, job.reason) == (JobState.FAILED, "insufficient_credits")
+    assert (job.state, job.reason) == (JobState.FAILED, JobReason.INSUFFICIENT_CREDITS)
     assert called == [f"job:{first.pk}"]
     assert balance_of(organization.pk)["available"] == 0 and invariants_check() == []
 
