@@ -63,6 +63,7 @@ class JobReason(models.TextChoices):
     INVALID_PAYLOAD = "invalid_payload", "Invalid or unknown payload"
     INTERRUPT_TIMEOUT = "interrupt_timeout", "Did not stop within the graceful window"
     SHUTDOWN_TIMEOUT = "shutdown_timeout", "Worker shut down mid-job"
+    INSUFFICIENT_CREDITS = "insufficient_credits", "The organization could not pay for it"
 
 
 class PriorityClass(models.TextChoices):

@@ -233,6 +233,11 @@ ORCHESTRATOR_PIPELINE_FILE_ROOTS = env_list("ORCHESTRATOR_PIPELINE_FILE_ROOTS",
                                             [str(BASE_DIR / "var" / "pipeline-files")])
 ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES = env_int("ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES", 256 * 1024 * 1024)
 
+# --- Billing (DESIGN §2.3) --------------------------------------------------------------------
+# Key of the ledger's HMAC-SHA256 hash chain. Empty: derived from SECRET_KEY when an entry is
+# hashed (billing/chain.py), never here. Changing it makes check_invariants flag every entry.
+ORCHESTRATOR_LEDGER_HMAC_KEY = env_str("ORCHESTRATOR_LEDGER_HMAC_KEY", "")
+
 # --- Logs ----------------------------------------------------------------------------------------
 # One JSON object per line (core/logging.py), or text. Every state transition is an INFO record
 # of "orchestrator.transitions" with entity, <entity>_id, project_id, run_id, type, attempt,

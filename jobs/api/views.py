@@ -24,6 +24,7 @@ from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
 from core.errors import CommandConflict, NotFound, PermissionRefused, ValidationFailed
 from jobs.api.serializers import JobCancelSerializer, JobEnqueuedSerializer, JobEnqueueSerializer, JobSerializer
+from jobs.commands.job import command_job_credits_check
 from jobs.models import CommandRecord, Job, JobState, WorkerHeartbeat, WorkerSession
 from jobs.registry import definition_get
 from jobs.services import job_as_dict, job_cancel, job_enqueue
@@ -128,8 +129,8 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         summary="Enqueue a job; with wait_ms, its result when it finishes in time (else 202)",
         request=JobEnqueueSerializer,
         responses={202: JobEnqueuedSerializer, 200: JobEnqueuedSerializer,
-                   **errors("validation_error", "not_found", "system_session", "command_conflict", "queue_full",
-                            "queue_disabled")})
+                   **errors("validation_error", "not_found", "system_session", "command_conflict",
+                            "insufficient_credits", "queue_full", "queue_disabled")})
     def create(self, request):
         serializer = JobEnqueueSerializer(data=request.data)
         valid = serializer.is_valid()
@@ -149,6 +150,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
             _source_session_check(request, session_key)
         if job_type == "command":
             _command_conflict_check(project, payload)
+            command_job_credits_check(project=project, payload=payload)
         result = job_enqueue(job_type=job_type, project=project, payload=payload, source_session_id=session_key,
                              actor=request.user)
         job = result.job
