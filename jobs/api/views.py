@@ -97,9 +97,12 @@ class JobFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Jobs of the caller's organizations (by project, state, type)",
+    list=extend_schema(description=("Jobs of the caller's organizations, newest first; filter by `project`, `state` "
+                                    "and `type`."),
+                       summary="Jobs of the caller's organizations (by project, state, type)",
                        responses={200: JobSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A job", responses={200: JobSerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One job: its type, state, reason, attempts, timings, result or error."),
+                           summary="A job", responses={200: JobSerializer, **errors("not_found")}),
 )
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Job.objects.order_by("-id")
@@ -113,6 +116,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return not (self.action == "create" and isinstance(data, dict) and data.get("wait_ms"))
 
     @extend_schema(
+        description=("Enqueues a job of a registered type for a project (deduplicated by the type's rule). With "
+                     "`wait_ms`, waits that long for it to finish and answers its result (200), or 202 with the job "
+                     "to poll. A full queue answers 429 `queue_full` with a retry hint."),
         summary="Enqueue a job; with wait_ms, its result when it finishes in time (else 202)",
         request=JobEnqueueSerializer,
         responses={202: JobEnqueuedSerializer, 200: JobEnqueuedSerializer,
@@ -148,7 +154,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return Response({"status": "queued", "dedupe": result.dedupe, **job_as_dict(job)},
                         status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
+    @extend_schema(description=("Cancels a waiting job at once; an executing job is asked to stop and ends cancelled "
+                                "when its worker sees it. A terminal job answers 409 `job_conflict`."),
+                   summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
                    responses={200: JobSerializer, **errors("not_found", "permission_denied", "job_conflict")})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
@@ -206,7 +214,9 @@ class HealthView(ApiView):
     authentication_classes = []
     throttle_classes = []
 
-    @extend_schema(summary="Health: 200 when every part is ok, 503 naming the failing parts",
+    @extend_schema(description=("Checks the database, the broker, the workers' heartbeats and the queue; no "
+                                "credentials needed. 503 lists the parts that failed."),
+                   summary="Health: 200 when every part is ok, 503 naming the failing parts",
                    responses={200: HealthSerializer, 503: HealthSerializer})
     def get(self, request):
         parts: dict = {}
