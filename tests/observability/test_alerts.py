@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import yaml
@@ -111,7 +110,7 @@ def test_run_escalation_and_invariant_metrics(org_factory, define_job):
         assert value(samples, "orchestrator_invariant_violations", check=check) == 0
         checked = value(samples, "orchestrator_invariants_last_check_timestamp_seconds", check=check)
         assert abs(checked - timezone.now().timestamp()) < 300
-    # A retried run does not take its failure back.
+    # An acknowledged escalation is no longer open.
     ticket = EscalationTicket.objects.get()
     from runs.escalations import escalation_acknowledge
 
