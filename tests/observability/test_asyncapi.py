@@ -13,6 +13,7 @@ import pytest
 import yaml
 from asgiref.sync import async_to_sync
 from channels.testing import WebsocketCommunicator
+from django.db import transaction
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT7
 from rest_framework.test import APIClient
@@ -193,7 +194,8 @@ def test_every_event_a_real_run_writes_matches_its_message(org_factory, monkeypa
     ticket, created = escalation_open(run=Run.objects.get(pk=bad.pk), trigger=EscalationTicket.Trigger.MANUAL,
                                       detail="look at it", actor=owner, reason="fatal")
     assert created
-    escalation_add_detail(ticket=ticket, detail="still failing")
+    with transaction.atomic():  # it runs in its caller's transaction (the cap check's)
+        escalation_add_detail(ticket=ticket, detail="still failing")
     escalation_acknowledge(ticket_id=ticket.pk, actor=owner, reason="on it")
     escalation_resolve(ticket_id=ticket.pk, actor=owner, reason="fixed")
     suggestion_request(run_id=bad.pk, actor=owner)
