@@ -29,8 +29,8 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from datetime import datetime, timedelta
+from typing import Any, Callable, Iterable, Iterator
 
 from django.apps import apps
 from django.conf import settings
@@ -231,6 +231,9 @@ COUNTERS: dict[str, Family] = {
     "job_attempts": Family("orchestrator_job_attempts", "Job attempts started (claims), by type.", ("type",)),
     "job_retries": Family("orchestrator_job_retries", "Job attempts after the first (retries and recoveries), "
                                                       "by type.", ("type",)),
+    "runs_finished": Family("orchestrator_runs_finished", "Runs that reached completed, failed or cancelled, by "
+                                                          "state and reason (the error code of a failure).",
+                            ("state", "reason")),
 }
 FINISHED = {
     "completed": Family("orchestrator_job_completions", "Jobs completed, by type and reason "
@@ -249,6 +252,11 @@ HISTOGRAM_FAMILIES = {
 }
 
 
+# Further gauges of the apps above core: ``collect(now)`` functions yielding metric families,
+# registered by each app in its ``AppConfig.ready`` (runs: stuck runs, escalations, invariants).
+COLLECTORS: list[Callable[[datetime], Iterable]] = []
+
+
 class OrchestratorCollector:
     """A ``prometheus_client`` collector: every scrape reads the database afresh."""
 
@@ -260,6 +268,8 @@ class OrchestratorCollector:
         yield from self._credits()
         yield from self._relay(now)
         yield from self._workers(now)
+        for collect in COLLECTORS:
+            yield from collect(now)
 
     def _queue_counters(self) -> Iterator:
         series = metric_series()
@@ -317,6 +327,7 @@ class OrchestratorCollector:
                                               queued_at__lte=aging)),
                     oldest_background=Min("queued_at", filter=Q(state__in=CLAIMABLE_STATES,
                                                                 priority_class="background")),
+                    oldest_claimable=Min("queued_at", filter=Q(state__in=CLAIMABLE_STATES)),
                 ).order_by())
         depth = 0
         by_project: dict[int, int] = {}
@@ -324,6 +335,7 @@ class OrchestratorCollector:
         executing: dict[str, int] = {}
         aged = 0
         oldest = None
+        oldest_claimable = None
         for row in rows:
             depth += row["waiting"]
             if row["waiting"]:
@@ -334,6 +346,9 @@ class OrchestratorCollector:
             aged += row["aged"]
             if row["oldest_background"] is not None and (oldest is None or row["oldest_background"] < oldest):
                 oldest = row["oldest_background"]
+            if row["oldest_claimable"] is not None and (oldest_claimable is None
+                                                        or row["oldest_claimable"] < oldest_claimable):
+                oldest_claimable = row["oldest_claimable"]
         yield GaugeMetricFamily("orchestrator_queue_depth", "Jobs waiting in all projects (as the queue caps "
                                                             "count them).", value=depth)
         project_gauge = GaugeMetricFamily("orchestrator_project_queue_depth", "Jobs waiting, per project "
@@ -352,6 +367,11 @@ class OrchestratorCollector:
         for job_type, count in sorted(executing.items()):
             executing_gauge.add_metric([job_type], count)
         yield executing_gauge
+        yield GaugeMetricFamily("orchestrator_queue_oldest_wait_seconds",
+                                "How long the oldest claimable job (queued or awaiting a tool) has waited "
+                                "since it was queued (0: none waits).",
+                                value=0.0 if oldest_claimable is None
+                                else max(0.0, (now - oldest_claimable).total_seconds()))
         yield GaugeMetricFamily("orchestrator_background_aged_jobs",
                                 "Background jobs waiting longer than ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS.",
                                 value=aged)
@@ -388,15 +408,18 @@ class OrchestratorCollector:
         yield GaugeMetricFamily("orchestrator_relay_running",
                                 "1 when an event relay runs in the process that answered this scrape.",
                                 value=0 if state is None else 1)
-        if state is None:
-            return
-        yield GaugeMetricFamily("orchestrator_relay_lag_events",
-                                "Committed events this process's relay has not delivered yet.", value=state["lag"])
-        oldest = (Event.objects.filter(id__gt=state["cursor"]).order_by("id")
-                  .values_list("created_at", flat=True).first())
-        yield GaugeMetricFamily("orchestrator_relay_oldest_unrelayed_seconds",
-                                "Age of the oldest event this process's relay has not delivered (0: none).",
-                                value=0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+        # Declared (without a sample) when no relay runs here, so alert rules can name them.
+        lag = GaugeMetricFamily("orchestrator_relay_lag_events",
+                                "Committed events this process's relay has not delivered yet.")
+        age = GaugeMetricFamily("orchestrator_relay_oldest_unrelayed_seconds",
+                                "Age of the oldest event this process's relay has not delivered (0: none).")
+        if state is not None:
+            lag.add_metric([], state["lag"])
+            oldest = (Event.objects.filter(id__gt=state["cursor"]).order_by("id")
+                      .values_list("created_at", flat=True).first())
+            age.add_metric([], 0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+        yield lag
+        yield age
 
     def _workers(self, now) -> Iterator:
         WorkerHeartbeat = apps.get_model("jobs", "WorkerHeartbeat")

@@ -21,6 +21,7 @@ from django.utils import timezone
 from django_q.exceptions import TimeoutException as QTimeout
 
 from core.errors import DomainError, InsufficientCredits, ValidationFailed
+from core.tracing import traced_job
 from jobs import services
 from jobs.models import Job, JobReason
 from jobs.registry import FatalJobError, JobCancelled, JobDefinition, JobTimeout, RetryableJobError, definition_get
@@ -95,6 +96,7 @@ def time_limit(seconds: float | None):
             signal.alarm(max(1, int(previous_remaining - (time.monotonic() - started))))
 
 
+@traced_job
 def job_run_claimed(job: Job, *, worker: str) -> str:
     """Execute a job this worker has claimed; returns what happened to it."""
     definition = definition_get(job.type)

@@ -116,6 +116,8 @@ class Job(ConcurrentTransitionMixin, models.Model):
     source_session_id = models.CharField(max_length=200, blank=True, default="")
     thread_id = models.CharField(max_length=200, blank=True, default="")
     run_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    traceparent = models.CharField(max_length=55, blank=True, default="",
+                                   help_text="W3C trace context of the span that enqueued it (tracing on)")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     queued_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -352,6 +352,23 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Runs, jobs, credits and events of the run orchestrator. Errors are "
                    "`{\"code\", \"detail\", ...}`; POSTs accept an `Idempotency-Key` header.",
     "VERSION": "1.0.0",
+    "CONTACT": {"name": env_str("ORCHESTRATOR_API_CONTACT_NAME", "Orchestrator Console operators"),
+                **({"url": env_str("ORCHESTRATOR_API_CONTACT_URL", "")}
+                   if env_str("ORCHESTRATOR_API_CONTACT_URL", "") else {})},
+    "SERVERS": [{"url": "/", "description": "this console (the server that serves the schema)"}],
+    "TAGS": [
+        {"name": "organizations", "description": "The caller's organizations (tenants)."},
+        {"name": "projects", "description": "Projects of the caller's organizations; runs and jobs belong to one."},
+        {"name": "runs", "description": "Runs of plans (agents → tasks → steps): create, start, pause, resume, "
+                                        "cancel, retry, approve gates, events, sidecar, suggestions and explanations."},
+        {"name": "escalations", "description": "Runs handed to a human: acknowledge and resolve."},
+        {"name": "jobs", "description": "The job queue: enqueue (optionally waiting for the result), read, cancel."},
+        {"name": "ledger", "description": "The append-only credit ledger."},
+        {"name": "artifacts", "description": "Files written by runs' steps, until they expire."},
+        {"name": "events", "description": "The event outbox after an id: the reconciliation feed of /ws/events/."},
+        {"name": "health", "description": "Liveness of the database, broker, workers and queue (no credentials)."},
+        {"name": "ping", "description": "Checks credentials."},
+    ],
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SCHEMA_PATH_PREFIX": r"/api/v[0-9]+",

@@ -6,8 +6,10 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self):
+        from core.metrics import COLLECTORS
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
         from runs import execution, services
+        from runs.metrics import runs_collect
         from runs.reaper import run_heartbeat_hook, runs_reap
 
         if execution.run_dispatch not in services.RUN_DISPATCHERS:
@@ -16,3 +18,5 @@ class RunsConfig(AppConfig):
             MAINTENANCE_HOOKS.append(runs_reap)
         if run_heartbeat_hook not in HEARTBEAT_HOOKS:
             HEARTBEAT_HOOKS.append(run_heartbeat_hook)
+        if runs_collect not in COLLECTORS:
+            COLLECTORS.append(runs_collect)

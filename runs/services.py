@@ -28,6 +28,7 @@ from billing.models import LedgerEntry
 from billing.services import ledger_charge, ledger_refund, ledger_reserve
 from billing.selectors import account_balance
 from core.errors import CreditLimitExceeded, InsufficientCredits, InvalidTransition, NotFound, ValidationFailed
+from core.metrics import metric_sample, metrics_add
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from runs import pipeline
@@ -125,6 +126,9 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     payload.update(extra or {})
     event_record(type=f"run_{run.status}", organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
+    if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
+        metrics_add([metric_sample("runs_finished", state=run.status,
+                                   reason=run.last_error_code if run.status == Run.Status.FAILED else "")])
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

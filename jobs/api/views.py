@@ -110,9 +110,12 @@ class JobFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Jobs of the caller's organizations (by project, state, type)",
+    list=extend_schema(description=("Jobs of the caller's organizations, newest first; filter by `project`, `state` "
+                                    "and `type`."),
+                       summary="Jobs of the caller's organizations (by project, state, type)",
                        responses={200: JobSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A job", responses={200: JobSerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One job: its type, state, reason, attempts, timings, result or error."),
+                           summary="A job", responses={200: JobSerializer, **errors("not_found")}),
 )
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Job.objects.order_by("-id")
@@ -126,6 +129,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return not (self.action == "create" and isinstance(data, dict) and data.get("wait_ms"))
 
     @extend_schema(
+        description=("Enqueues a job of a registered type for a project (deduplicated by the type's rule). With "
+                     "`wait_ms`, waits that long for it to finish and answers its result (200), or 202 with the job "
+                     "to poll. A full queue answers 429 `queue_full` with a retry hint."),
         summary="Enqueue a job; with wait_ms, its result when it finishes in time (else 202)",
         request=JobEnqueueSerializer,
         responses={202: JobEnqueuedSerializer, 200: JobEnqueuedSerializer,
@@ -162,7 +168,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return Response({"status": "queued", "dedupe": result.dedupe, **job_as_dict(job)},
                         status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
+    @extend_schema(description=("Cancels a waiting job at once; an executing job is asked to stop and ends cancelled "
+                                "when its worker sees it. A terminal job answers 409 `job_conflict`."),
+                   summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
                    responses={200: JobSerializer, **errors("not_found", "permission_denied", "job_conflict")})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
@@ -240,7 +248,10 @@ class HealthView(ApiView):
     authentication_classes = [SessionAuthentication]  # a staff session sees the parts; a token: see below
     throttle_classes = []
 
-    @extend_schema(summary="Health: 200 when every part is ok, else 503; staff and the metrics token also get "
+    @extend_schema(description=("Checks the database, the broker, the workers' heartbeats and the queue; no "
+                                "credentials needed. Anonymous callers get only ok or failing; staff and the "
+                                "metrics token also get the parts and the names of the failing ones."),
+                   summary="Health: 200 when every part is ok, else 503; staff and the metrics token also get "
                            "the parts and the names of the failing ones",
                    responses={200: HealthSerializer, 503: HealthSerializer})
     def get(self, request):
