@@ -4,3 +4,12 @@ from django.apps import AppConfig
 class BillingConfig(AppConfig):
     name = "billing"
     verbose_name = "Credits and ledger"
+
+    def ready(self):
+        from billing.metrics import billing_collect, ledger_rollup
+        from core.metrics import COLLECTORS, COMPACTORS
+
+        if billing_collect not in COLLECTORS:
+            COLLECTORS.append(billing_collect)
+        if ledger_rollup not in COMPACTORS:
+            COMPACTORS.append(ledger_rollup)

@@ -3,19 +3,20 @@
 Money moves only by appending ``LedgerEntry`` rows; ``CreditAccount`` keeps the running
 ``balance`` and ``reserved`` figures that the entries imply, so ``available = balance -
 reserved`` is one row read. Entries are never updated or deleted: the model layer refuses it
-everywhere and a PostgreSQL trigger refuses it in the database. Each entry also carries a
-hash chained to the organization's previous entry, so ``check_invariants`` detects a row
-changed behind our back.
+everywhere, and triggers refuse it in the database (UPDATE, DELETE and TRUNCATE on PostgreSQL,
+UPDATE and DELETE on SQLite). Each entry also carries a keyed hash (HMAC-SHA256, see
+``billing.chain``) chained to the organization's previous entry, so ``check_invariants``
+detects a row changed behind our back, even when the chain after it was recomputed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from django.conf import settings
-from django.db import models
+from django.db import models, router
 
+from billing.chain import entry_digest, legacy_entry_digest
 from core.models import Organization
 
 
@@ -30,6 +31,9 @@ class CreditAccount(models.Model):
     balance = models.BigIntegerField(default=0)
     reserved = models.BigIntegerField(default=0)
     last_entry_hash = models.CharField(max_length=64, blank=True, default="")
+    # Entries up to this id were hashed before the chain was keyed; the seal (keyed) fixes the boundary.
+    legacy_chain_end = models.BigIntegerField(null=True, blank=True)
+    legacy_chain_seal = models.CharField(max_length=64, blank=True, default="")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -50,7 +54,12 @@ class CreditAccount(models.Model):
 
 
 class LedgerEntryQuerySet(models.QuerySet):
+    """Refuses every UPDATE and DELETE path of the ORM (it is also the base manager)."""
+
     def update(self, **kwargs):
+        raise AppendOnlyViolation("ledger entries are append-only: UPDATE is not allowed")
+
+    def _update(self, values):  # Model.save's UPDATE of an existing row goes through here
         raise AppendOnlyViolation("ledger entries are append-only: UPDATE is not allowed")
 
     def delete(self, *args, **kwargs):  # also stands in for _raw_delete(using)
@@ -63,7 +72,8 @@ class LedgerEntry(models.Model):
     """One movement of credits. Append-only; ``amount`` is always positive.
 
     Effects on the account: ``topup`` adds to the balance; ``reserve`` holds credits for a
-    run attempt; ``charge`` consumes held credits (balance and reserved both drop);
+    run attempt; ``charge`` of a run consumes held credits (balance and reserved both drop);
+    ``charge`` with source ``direct`` (no run: a command job's tool) debits the balance only;
     ``refund`` with source ``reservation`` releases an unused hold, with source ``charge``
     gives charged credits back to the balance. For a run attempt, at every moment
     ``reserved >= charged >= 0`` (charged net of charge refunds) and on a terminal state
@@ -80,6 +90,7 @@ class LedgerEntry(models.Model):
         NONE = "", "—"
         RESERVATION = "reservation", "Unused reservation"
         CHARGE = "charge", "Charged credits"
+        DIRECT = "direct", "Direct debit"
 
     id = models.BigAutoField(primary_key=True)
     organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="ledger_entries")
@@ -105,12 +116,18 @@ class LedgerEntry(models.Model):
     class Meta:
         ordering = ["id"]
         verbose_name_plural = "ledger entries"
+        base_manager_name = "objects"  # Django's internal paths get the guarded queryset too
         constraints = [
             models.CheckConstraint(condition=models.Q(amount__gt=0), name="ledger_amount_positive"),
             models.UniqueConstraint(fields=["run", "kind", "idempotency_key"],
                                     condition=models.Q(run__isnull=False), name="ledger_unique_key_per_run_kind"),
             models.UniqueConstraint(fields=["organization", "kind", "idempotency_key"],
                                     condition=models.Q(run__isnull=True), name="ledger_unique_key_per_org_kind"),
+            # A run's charge consumes its reservation; a charge without a run is a direct debit.
+            models.CheckConstraint(condition=~models.Q(kind="charge")
+                                   | models.Q(run__isnull=False, source="")
+                                   | models.Q(run__isnull=True, source="direct"),
+                                   name="ledger_charge_source_matches_run"),
         ]
         indexes = [
             models.Index(fields=["run", "attempt_number", "kind"], name="ledger_run_attempt_idx"),
@@ -120,16 +137,29 @@ class LedgerEntry(models.Model):
     def __str__(self) -> str:
         return f"#{self.id} {self.kind} {self.amount}"
 
-    def save(self, *args, **kwargs):
-        if not self._state.adding:
+    def save(self, *, force_insert=False, force_update=False, using=None, update_fields=None):
+        """Insert a new entry; an existing one (loaded, or named by its primary key) is refused."""
+        if not self._state.adding or force_update or update_fields is not None:
             raise AppendOnlyViolation("ledger entries are append-only: an existing entry cannot be saved")
-        super().save(*args, **kwargs)
+        database = using or router.db_for_write(type(self), instance=self)
+        if self.pk is not None and type(self)._base_manager.using(database).filter(pk=self.pk).exists():
+            raise AppendOnlyViolation(f"ledger entries are append-only: entry {self.pk} exists and cannot be "
+                                      f"saved again")
+        super().save(force_insert=True, using=using)
 
     def delete(self, *args, **kwargs):
         raise AppendOnlyViolation("ledger entries are append-only: an entry cannot be deleted")
 
-    def compute_hash(self) -> str:
-        """SHA-256 over the entry's content and the previous entry's hash."""
+    def compute_hash(self, *, key: bytes | None = None) -> str:
+        """HMAC-SHA256 (the ledger key, or ``key``) over the entry's content and the previous hash."""
+        return entry_digest(self.hash_body(), key=key)
+
+    def compute_legacy_hash(self) -> str:
+        """The plain SHA-256 digest entries carried before the chain was keyed."""
+        return legacy_entry_digest(self.hash_body())
+
+    def hash_body(self) -> bytes:
+        """The canonical bytes the entry's hash covers."""
         body = json.dumps(
             {
                 "prev": self.prev_hash,
@@ -146,4 +176,4 @@ class LedgerEntry(models.Model):
             },
             sort_keys=True,
         )
-        return hashlib.sha256(body.encode()).hexdigest()
+        return body.encode()

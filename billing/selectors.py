@@ -32,7 +32,8 @@ def ledger_totals(*, run_id: int, attempt_number: int | None = None) -> dict[str
 
 
 def ledger_account_sums(*, organization_id: int) -> dict[str, int]:
-    """Balance and reserved amount implied by an organization's ledger entries."""
+    """Balance and reserved amount implied by an organization's ledger entries (a direct charge
+    debits the balance only)."""
     signed_balance = Case(
         When(kind=LedgerEntry.Kind.TOPUP, then=F("amount")),
         When(kind=LedgerEntry.Kind.CHARGE, then=-F("amount")),
@@ -42,6 +43,7 @@ def ledger_account_sums(*, organization_id: int) -> dict[str, int]:
     )
     signed_reserved = Case(
         When(kind=LedgerEntry.Kind.RESERVE, then=F("amount")),
+        When(kind=LedgerEntry.Kind.CHARGE, source=LedgerEntry.Source.DIRECT, then=Value(0)),
         When(kind=LedgerEntry.Kind.CHARGE, then=-F("amount")),
         When(kind=LedgerEntry.Kind.REFUND, source=LedgerEntry.Source.RESERVATION, then=-F("amount")),
         default=Value(0),
@@ -51,3 +53,9 @@ def ledger_account_sums(*, organization_id: int) -> dict[str, int]:
         balance=Sum(signed_balance), reserved=Sum(signed_reserved)
     )
     return {"balance": sums["balance"] or 0, "reserved": sums["reserved"] or 0}
+
+
+def direct_charge_exists(*, organization_id: int, idempotency_key: str) -> bool:
+    """Whether a direct charge (no run) was already written under ``idempotency_key``."""
+    return LedgerEntry.objects.filter(organization_id=organization_id, run__isnull=True,
+                                      kind=LedgerEntry.Kind.CHARGE, idempotency_key=idempotency_key).exists()

@@ -1,4 +1,4 @@
-"""The only writers of credits: open accounts, top up, reserve, charge, refund.
+"""The only writers of credits: open accounts, top up, reserve, charge, refund, debit directly.
 
 Every function runs in the caller's transaction (or its own), locks the organization's
 ``CreditAccount`` row, and is idempotent: an entry is identified by ``(run, kind, key)`` (or
@@ -134,6 +134,35 @@ def account_topup(*, organization_id: int, amount: int, reason: str, actor=None,
     audit_record(actor=actor, action="credits_topup", target_type="organization", target_id=organization_id,
                  organization_id=organization_id, reason=reason, before=before, after={"balance": account.balance})
     return LedgerResult(entry, True)
+
+
+def account_charge(*, organization_id: int, project_id: int | None, amount: int, idempotency_key: str,
+                   actor=None, reason: str = "") -> LedgerResult:
+    """Debit ``amount`` from the balance with no run and no reservation (a ``charge`` entry with
+    source ``direct``), exactly once per ``(organization, key)``.
+
+    ``InsufficientCredits`` (nothing written) when fewer credits are available. A repeat with
+    the same key returns the first entry and changes nothing, whatever the balance is now.
+    """
+    amount = _validate_amount(amount)
+    if not isinstance(idempotency_key, str) or not idempotency_key.strip():
+        raise ValidationFailed("an idempotency key is required", errors={"idempotency_key": ["must not be empty"]})
+    with transaction.atomic():
+        account = _account_locked(organization_id)
+        existing = _existing(organization_id=organization_id, run_id=None, kind=LedgerEntry.Kind.CHARGE,
+                             key=idempotency_key)
+        if existing is not None:
+            return LedgerResult(existing, False)
+        if account.available < amount:
+            raise InsufficientCredits(
+                f"organization {organization_id} has {account.available} credits available; {amount} needed",
+                available=account.available, required=amount,
+            )
+        account.balance -= amount
+        entry = _append(account=account, kind=LedgerEntry.Kind.CHARGE, amount=amount, key=idempotency_key,
+                        run_id=None, attempt_number=None, project_id=project_id, source=LedgerEntry.Source.DIRECT,
+                        actor=actor, reason=reason)
+        return LedgerResult(entry, True)
 
 
 def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,

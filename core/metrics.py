@@ -11,13 +11,12 @@ memory. Three sources:
   other on a counter row; ``metrics_compact`` folds the rows into ``MetricTotal`` in batches
   (on every scrape and every prune), and a scrape reads totals and pending rows in one
   statement, so a concurrent fold is never counted twice or missed.
-* **Ledger entries by kind** are rolled up from the append-only ledger itself: entries up to a
-  watermark are folded into ``MetricTotal``; the rest are counted live. The watermark only moves
-  past entries older than ``LEDGER_SETTLE``, so an entry that commits late is still counted
-  (a transaction would have to stay open that long to be missed).
-* **Gauges** (queue depth globally, per project and per type, executing jobs, aged background
-  jobs, runs by state, credits reserved, workers alive) are grouped queries over live rows.
-  Relay lag is the lag of the relays running in the process that answers the scrape.
+* **The apps' families**: each app above core registers a collector in ``COLLECTORS`` (and a
+  fold in ``COMPACTORS``) from its ``AppConfig.ready``: ``billing.metrics`` (credits reserved,
+  ledger entries by kind, rolled up from the append-only ledger), ``jobs.metrics`` (queue depth
+  and wait, executing jobs, workers alive), ``runs.metrics`` (runs by state, stuck runs,
+  escalations, the last invariants check). They are grouped queries over live rows.
+* Relay lag is the lag of the relays running in the process that answers the scrape.
 
 Access: ``Authorization: Bearer <ORCHESTRATOR_METRICS_TOKEN>``, or a staff session.
 """
@@ -29,13 +28,11 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from datetime import datetime
+from typing import Any, Callable, Iterable, Iterator
 
-from django.apps import apps
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Count, F, Max, Min, Q, Sum
 from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -52,14 +49,7 @@ BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 
 HISTOGRAMS = frozenset({"job_run_seconds", "job_wait_seconds"})
 COMPACT_BATCH = 20_000
 COMPACT_MAX_BATCHES_PER_SCRAPE = 5
-LEDGER_SETTLE = timedelta(minutes=5)
-LEDGER_SERIES = "ledger_entries"
-LEDGER_WATERMARK = "_ledger_watermark"
-WORKERS_LISTED = 50
 
-# Waiting jobs as the queue caps count them (``jobs.services._waiting_depth``).
-WAITING_STATES = ("received", "queued", "awaiting_tool", "awaiting_user_confirmation")
-CLAIMABLE_STATES = ("queued", "awaiting_tool")
 
 
 # --- the write path -------------------------------------------------------------------------
@@ -120,7 +110,7 @@ ON CONFLICT (name, labels) DO UPDATE SET count = count + excluded.count, total =
 """
 
 
-def _tables() -> dict[str, str]:
+def metric_tables() -> dict[str, str]:
     return {"delta": connection.ops.quote_name(MetricDelta._meta.db_table),
             "total": connection.ops.quote_name(MetricTotal._meta.db_table)}
 
@@ -129,16 +119,16 @@ def _compact_batch(batch: int) -> int:
     with transaction.atomic(), connection.cursor() as cursor:
         if connection.vendor == "postgresql":
             # Concurrent folds take disjoint rows (SKIP LOCKED); a row is deleted and added once.
-            cursor.execute(_COMPACT_POSTGRES.format(**_tables()), [batch])
+            cursor.execute(_COMPACT_POSTGRES.format(**metric_tables()), [batch])
             return int(cursor.fetchone()[0])
         # SQLite: one writer at a time, so read the range, fold it and delete it.
-        cursor.execute(f"SELECT MAX(id), COUNT(*) FROM (SELECT id FROM {_tables()['delta']} ORDER BY id LIMIT %s)",
+        cursor.execute(f"SELECT MAX(id), COUNT(*) FROM (SELECT id FROM {metric_tables()['delta']} ORDER BY id LIMIT %s)",
                        [batch])
         upto, moved = cursor.fetchone()
         if not moved:
             return 0
-        cursor.execute(_FOLD_SQLITE.format(**_tables()), [upto])
-        cursor.execute(f"DELETE FROM {_tables()['delta']} WHERE id <= %s", [upto])
+        cursor.execute(_FOLD_SQLITE.format(**metric_tables()), [upto])
+        cursor.execute(f"DELETE FROM {metric_tables()['delta']} WHERE id <= %s", [upto])
         return int(moved)
 
 
@@ -152,68 +142,23 @@ def metrics_compact(*, batch: int = COMPACT_BATCH, max_batches: int | None = Non
         batches += 1
         if moved < batch:
             break
-    folded_ledger = ledger_rollup()
-    return folded + folded_ledger
-
-
-def ledger_rollup(*, now=None) -> int:
-    """Fold ledger entries older than ``LEDGER_SETTLE`` past the watermark into the totals."""
-    LedgerEntry = apps.get_model("billing", "LedgerEntry")
-    now = now or timezone.now()
-    with transaction.atomic():
-        MetricTotal.objects.get_or_create(name=LEDGER_WATERMARK, labels="{}")
-        mark = MetricTotal.objects.select_for_update().get(name=LEDGER_WATERMARK, labels="{}")
-        upto = (LedgerEntry.objects.filter(id__gt=mark.count, created_at__lt=now - LEDGER_SETTLE)
-                .aggregate(m=Max("id"))["m"])
-        if upto is None:
-            return 0
-        rows = (LedgerEntry.objects.filter(id__gt=mark.count, id__lte=upto).values("kind")
-                .annotate(n=Count("id"), amount=Sum("amount")).order_by("kind"))
-        folded = 0
-        for row in rows:
-            total, _ = MetricTotal.objects.get_or_create(name=LEDGER_SERIES, labels=labels_key({"kind": row["kind"]}))
-            MetricTotal.objects.filter(pk=total.pk).update(count=F("count") + row["n"],
-                                                           total=F("total") + float(row["amount"] or 0))
-            folded += row["n"]
-        MetricTotal.objects.filter(pk=mark.pk).update(count=upto)
-        return folded
+    return folded + sum(compact() for compact in COMPACTORS)
 
 
 # --- reading ---------------------------------------------------------------------------------
 
 def metric_series() -> dict[tuple[str, str], tuple[int, float]]:
     """Every series' ``(count, total)``: totals plus pending rows, read in one statement."""
-    tables = _tables()
+    tables = metric_tables()
     sql = (f"SELECT name, labels, SUM(count), SUM(total) FROM ("
-           f"SELECT name, labels, count, total FROM {tables['total']} WHERE name <> %s "
+           f"SELECT name, labels, count, total FROM {tables['total']} "
            f"UNION ALL SELECT name, labels, count, total FROM {tables['delta']}) AS series "
            f"GROUP BY name, labels")
     with connection.cursor() as cursor:
-        cursor.execute(sql, [LEDGER_WATERMARK])
+        cursor.execute(sql)
         rows = cursor.fetchall()
     return {(name, labels): (int(count or 0), float(total or 0.0)) for name, labels, count, total in rows
             if not name.startswith("_")}
-
-
-def ledger_series() -> dict[str, tuple[int, int]]:
-    """Ledger entries and credits by kind: the rolled-up totals plus entries past the watermark."""
-    LedgerEntry = apps.get_model("billing", "LedgerEntry")
-    ledger = connection.ops.quote_name(LedgerEntry._meta.db_table)
-    total = _tables()["total"]
-    sql = (f"SELECT labels, SUM(n), SUM(amount) FROM ("
-           f"SELECT labels, count AS n, total AS amount FROM {total} WHERE name = %s "
-           f"UNION ALL SELECT '{{\"kind\":\"' || kind || '\"}}' AS labels, COUNT(*) AS n, "
-           f"CAST(SUM(amount) AS DOUBLE PRECISION) AS amount FROM {ledger} "
-           f"WHERE id > COALESCE((SELECT MAX(count) FROM {total} WHERE name = %s), 0) GROUP BY kind"
-           f") AS entries GROUP BY labels")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, [LEDGER_SERIES, LEDGER_WATERMARK])
-        rows = cursor.fetchall()
-    result = {}
-    for labels, count, amount in rows:
-        kind = json.loads(labels).get("kind", "")
-        result[kind] = (int(count or 0), int(round(float(amount or 0))))
-    return result
 
 
 @dataclass(frozen=True)
@@ -231,6 +176,9 @@ COUNTERS: dict[str, Family] = {
     "job_attempts": Family("orchestrator_job_attempts", "Job attempts started (claims), by type.", ("type",)),
     "job_retries": Family("orchestrator_job_retries", "Job attempts after the first (retries and recoveries), "
                                                       "by type.", ("type",)),
+    "runs_finished": Family("orchestrator_runs_finished", "Runs that reached completed, failed or cancelled, by "
+                                                          "state and reason (the error code of a failure).",
+                            ("state", "reason")),
 }
 FINISHED = {
     "completed": Family("orchestrator_job_completions", "Jobs completed, by type and reason "
@@ -249,17 +197,24 @@ HISTOGRAM_FAMILIES = {
 }
 
 
+# The metric families of the apps above core: ``collect(now)`` functions yielding metric families,
+# registered by each app in its ``AppConfig.ready`` (billing: credits and the ledger; jobs: queue
+# depth and wait, workers; runs: runs by state, stuck runs, escalations, invariants).
+COLLECTORS: list[Callable[[datetime], Iterable]] = []
+# Folds an app does at scrape time besides the pending samples (billing: the ledger roll-up);
+# each returns how many rows it folded.
+COMPACTORS: list[Callable[[], int]] = []
+
+
 class OrchestratorCollector:
     """A ``prometheus_client`` collector: every scrape reads the database afresh."""
 
     def collect(self) -> Iterator:
         now = timezone.now()
         yield from self._queue_counters()
-        yield from self._queue_gauges(now)
-        yield from self._runs()
-        yield from self._credits()
         yield from self._relay(now)
-        yield from self._workers(now)
+        for collect in COLLECTORS:
+            yield from collect(now)
 
     def _queue_counters(self) -> Iterator:
         series = metric_series()
@@ -295,91 +250,6 @@ class OrchestratorCollector:
                     buckets.append((label, cumulative))
                 metric.add_metric(list(key), buckets, data["sum"])
             yield metric
-        ledger = ledger_series()
-        entries = CounterMetricFamily("orchestrator_ledger_entries", "Credit ledger entries, by kind.",
-                                      labels=("kind",))
-        credits = CounterMetricFamily("orchestrator_ledger_credits", "Credits moved by ledger entries, by kind.",
-                                      labels=("kind",))
-        for kind, (count, amount) in sorted(ledger.items()):
-            entries.add_metric([kind], count)
-            credits.add_metric([kind], amount)
-        yield entries
-        yield credits
-
-    def _queue_gauges(self, now) -> Iterator:
-        Job = apps.get_model("jobs", "Job")
-        aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
-        rows = (Job.objects.filter(state__in=[*WAITING_STATES, "executing"])
-                .values("project_id", "type").annotate(
-                    waiting=Count("id", filter=Q(state__in=WAITING_STATES)),
-                    executing=Count("id", filter=Q(state="executing")),
-                    aged=Count("id", filter=Q(state__in=CLAIMABLE_STATES, priority_class="background",
-                                              queued_at__lte=aging)),
-                    oldest_background=Min("queued_at", filter=Q(state__in=CLAIMABLE_STATES,
-                                                                priority_class="background")),
-                ).order_by())
-        depth = 0
-        by_project: dict[int, int] = {}
-        by_type: dict[str, int] = {}
-        executing: dict[str, int] = {}
-        aged = 0
-        oldest = None
-        for row in rows:
-            depth += row["waiting"]
-            if row["waiting"]:
-                by_project[row["project_id"]] = by_project.get(row["project_id"], 0) + row["waiting"]
-                by_type[row["type"]] = by_type.get(row["type"], 0) + row["waiting"]
-            if row["executing"]:
-                executing[row["type"]] = executing.get(row["type"], 0) + row["executing"]
-            aged += row["aged"]
-            if row["oldest_background"] is not None and (oldest is None or row["oldest_background"] < oldest):
-                oldest = row["oldest_background"]
-        yield GaugeMetricFamily("orchestrator_queue_depth", "Jobs waiting in all projects (as the queue caps "
-                                                            "count them).", value=depth)
-        project_gauge = GaugeMetricFamily("orchestrator_project_queue_depth", "Jobs waiting, per project "
-                                                                              "(projects with waiting jobs).",
-                                          labels=("project",))
-        for project_id, count in sorted(by_project.items()):
-            project_gauge.add_metric([str(project_id)], count)
-        yield project_gauge
-        type_gauge = GaugeMetricFamily("orchestrator_queue_depth_by_type", "Jobs waiting, per type.",
-                                       labels=("type",))
-        for job_type, count in sorted(by_type.items()):
-            type_gauge.add_metric([job_type], count)
-        yield type_gauge
-        executing_gauge = GaugeMetricFamily("orchestrator_jobs_executing", "Jobs executing, per type.",
-                                            labels=("type",))
-        for job_type, count in sorted(executing.items()):
-            executing_gauge.add_metric([job_type], count)
-        yield executing_gauge
-        yield GaugeMetricFamily("orchestrator_background_aged_jobs",
-                                "Background jobs waiting longer than ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS.",
-                                value=aged)
-        yield GaugeMetricFamily("orchestrator_background_oldest_wait_seconds",
-                                "How long the oldest waiting background job has waited (0: none waits).",
-                                value=0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
-
-    def _runs(self) -> Iterator:
-        Run = apps.get_model("runs", "Run")
-        counts = dict(Run.objects.filter(deleted_at__isnull=True).values_list("status")
-                      .annotate(n=Count("id")).order_by())
-        gauge = GaugeMetricFamily("orchestrator_runs", "Runs, by state.", labels=("state",))
-        for state in Run.Status.values:
-            gauge.add_metric([state], counts.get(state, 0))
-        yield gauge
-
-    def _credits(self) -> Iterator:
-        CreditAccount = apps.get_model("billing", "CreditAccount")
-        total = CreditAccount.objects.aggregate(reserved=Sum("reserved"))["reserved"] or 0
-        yield GaugeMetricFamily("orchestrator_credits_reserved", "Credits reserved for runs, in all organizations.",
-                                value=total)
-        by_organization = GaugeMetricFamily("orchestrator_organization_credits_reserved",
-                                            "Credits reserved for runs, per organization (those holding some).",
-                                            labels=("organization",))
-        for organization_id, reserved in (CreditAccount.objects.filter(reserved__gt=0)
-                                          .values_list("organization_id", "reserved").order_by("organization_id")):
-            by_organization.add_metric([str(organization_id)], reserved)
-        yield by_organization
 
     def _relay(self, now) -> Iterator:
         from core.relay import relay_status
@@ -388,35 +258,18 @@ class OrchestratorCollector:
         yield GaugeMetricFamily("orchestrator_relay_running",
                                 "1 when an event relay runs in the process that answered this scrape.",
                                 value=0 if state is None else 1)
-        if state is None:
-            return
-        yield GaugeMetricFamily("orchestrator_relay_lag_events",
-                                "Committed events this process's relay has not delivered yet.", value=state["lag"])
-        oldest = (Event.objects.filter(id__gt=state["cursor"]).order_by("id")
-                  .values_list("created_at", flat=True).first())
-        yield GaugeMetricFamily("orchestrator_relay_oldest_unrelayed_seconds",
-                                "Age of the oldest event this process's relay has not delivered (0: none).",
-                                value=0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
-
-    def _workers(self, now) -> Iterator:
-        WorkerHeartbeat = apps.get_model("jobs", "WorkerHeartbeat")
-        window = settings.ORCHESTRATOR_QUEUE_LEASE_S
-        alive_since = now - timedelta(seconds=window)
-        seen = WorkerHeartbeat.objects.aggregate(alive=Count("worker", filter=Q(last_seen__gte=alive_since)),
-                                                 total=Count("worker"))
-        yield GaugeMetricFamily("orchestrator_workers_alive",
-                                "Worker processes with a heartbeat younger than ORCHESTRATOR_QUEUE_LEASE_S.",
-                                value=seen["alive"])
-        yield GaugeMetricFamily("orchestrator_workers_stale", "Worker processes seen before but not alive now.",
-                                value=seen["total"] - seen["alive"])
-        ages = GaugeMetricFamily("orchestrator_worker_heartbeat_age_seconds",
-                                 f"Seconds since each of the {WORKERS_LISTED} most recently seen worker processes "
-                                 f"sent a heartbeat.", labels=("worker", "cluster"))
-        for worker, cluster, last_seen in (WorkerHeartbeat.objects.order_by("-last_seen")
-                                           .values_list("worker", "cluster", "last_seen")[:WORKERS_LISTED]):
-            ages.add_metric([worker, cluster], max(0.0, (now - last_seen).total_seconds()))
-        yield ages
-
+        # Declared (without a sample) when no relay runs here, so alert rules can name them.
+        lag = GaugeMetricFamily("orchestrator_relay_lag_events",
+                                "Committed events this process's relay has not delivered yet.")
+        age = GaugeMetricFamily("orchestrator_relay_oldest_unrelayed_seconds",
+                                "Age of the oldest event this process's relay has not delivered (0: none).")
+        if state is not None:
+            lag.add_metric([], state["lag"])
+            oldest = (Event.objects.filter(id__gt=state["cursor"]).order_by("id")
+                      .values_list("created_at", flat=True).first())
+            age.add_metric([], 0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+        yield lag
+        yield age
 
 # --- the endpoint ------------------------------------------------------------------------------
 

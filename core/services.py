@@ -9,6 +9,7 @@ from django.db import transaction
 
 from core.errors import NotFound, ValidationFailed
 from core.models import AuditRecord, Event, Organization, Project
+from core.tracing import tracing_trace_id
 
 logger = logging.getLogger("orchestrator.transitions")
 
@@ -65,7 +66,8 @@ def transition_log(**fields: Any) -> None:
 
     The record's ``fields`` (see ``transition_fields``) become the keys of its JSON line
     (``core.logging.JsonFormatter``): ``entity``, ``<entity>_id``, ``project_id``, ``run_id``,
-    ``type``, ``attempt``, ``from``, ``to``, ``reason`` and whatever else the caller adds.
+    ``type``, ``attempt``, ``from``, ``to``, ``reason`` and whatever else the caller adds, and
+    ``trace_id`` when tracing is on and a span is active (``core.tracing``).
 
     Written when the caller's transaction commits (at once outside one): a transition rolled
     back never appears in the log.
@@ -74,6 +76,9 @@ def transition_log(**fields: Any) -> None:
         return
     line = transition_fields(fields)
     entity = line["entity"]
+    trace_id = tracing_trace_id()
+    if trace_id:
+        line["trace_id"] = trace_id
 
     def write() -> None:
         logger.info("%s %s %s -> %s", entity, line.get(f"{entity}_id"), line["from"], line["to"],

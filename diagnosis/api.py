@@ -104,7 +104,9 @@ class RunSuggestView(ApiView):
         query = SuggestQuerySerializer(data=request.query_params)
         return not (query.is_valid() and query.validated_data["wait"] > 0)
 
-    @extend_schema(summary="The run's latest suggested next action (null when none was asked for)",
+    @extend_schema(description=("The latest suggestion for the run (what to do next, and why), or null when none was "
+                                "asked for."),
+                   summary="The run's latest suggested next action (null when none was asked for)",
                    responses={200: SuggestionLatestSerializer, **errors("not_found")})
     def get(self, request, run_id):
         run = _visible_run(request, run_id)
@@ -113,6 +115,8 @@ class RunSuggestView(ApiView):
         return Response(ActorNames.for_request(request).relabel(body, organization_id=run.organization_id))
 
     @extend_schema(
+        description=("Asks for a suggested next action for the run (one at a time per run: a second request joins the"
+                     " first). With `?wait=`, answers the suggestion when it is ready in time, else 202."),
         summary="Ask for a suggested next action (single flight per run); with ?wait=, the suggestion if "
                 "ready in time (200), else 202 and a Location to poll",
         request=None, parameters=[SuggestQuerySerializer,
@@ -138,7 +142,9 @@ class RunSuggestView(ApiView):
 class RunExplanationsView(ApiView):
     """The explanations of a run's failed step attempts, oldest first, under their stable ids."""
 
-    @extend_schema(summary="Explanations of the run's failed step attempts (explaining, final or summary)",
+    @extend_schema(description=("Explanations of the run's failed step attempts: why each failed and whether a retry "
+                                "can help."),
+                   summary="Explanations of the run's failed step attempts (explaining, final or summary)",
                    responses={200: ExplanationListSerializer, **errors("not_found")})
     def get(self, request, run_id):
         run = _visible_run(request, run_id)

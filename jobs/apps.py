@@ -27,7 +27,12 @@ class JobsConfig(AppConfig):
 
         cluster_queue.install()  # a worker killed while idle must not freeze its cluster
 
+        from core.metrics import COLLECTORS
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
+        from jobs.metrics import jobs_collect
+
+        if jobs_collect not in COLLECTORS:
+            COLLECTORS.append(jobs_collect)
         from jobs.worker import ensure_started
 
         def start_heartbeat(sender, proc_name, **kwargs):

@@ -2,7 +2,8 @@
 
 Outcomes: a result → completed; ``JobCancelled`` → cancelled; a timeout or an exception →
 classified by the definition (retryable → awaiting_tool with backoff, within the attempt
-and failure budgets; fatal → failed); an unknown type or an invalid payload → failed with
+and failure budgets; fatal → failed); ``InsufficientCredits`` → failed with
+``insufficient_credits``; an unknown type or an invalid payload → failed with
 ``invalid_payload``; a deadline already passed → completed with the fallback result.
 """
 
@@ -19,7 +20,8 @@ from typing import Any
 from django.utils import timezone
 from django_q.exceptions import TimeoutException as QTimeout
 
-from core.errors import DomainError, ValidationFailed
+from core.errors import DomainError, InsufficientCredits, ValidationFailed
+from core.tracing import traced_job
 from jobs import services
 from jobs.models import Job, JobReason
 from jobs.registry import FatalJobError, JobCancelled, JobDefinition, JobTimeout, RetryableJobError, definition_get
@@ -94,6 +96,7 @@ def time_limit(seconds: float | None):
             signal.alarm(max(1, int(previous_remaining - (time.monotonic() - started))))
 
 
+@traced_job
 def job_run_claimed(job: Job, *, worker: str) -> str:
     """Execute a job this worker has claimed; returns what happened to it."""
     definition = definition_get(job.type)
@@ -133,6 +136,9 @@ def job_run_claimed(job: Job, *, worker: str) -> str:
     except QTimeout as exc:  # django-q2 is killing this worker (its message ran out of time)
         return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=str(exc), retryable=True,
                                          reason=JobReason.SHUTDOWN_TIMEOUT)
+    except InsufficientCredits as exc:  # the organization cannot pay: nothing ran, retrying will not help
+        return services.job_fail_attempt(job_id=job.pk, attempt=attempt, error=f"{type(exc).__name__}: {exc}",
+                                         retryable=False, reason=JobReason.INSUFFICIENT_CREDITS)
     except JobTimeout as exc:
         if job.deadline_at is not None and job.deadline_at <= timezone.now():
             services.jobs_enforce_deadlines()

@@ -63,6 +63,7 @@ class JobReason(models.TextChoices):
     INVALID_PAYLOAD = "invalid_payload", "Invalid or unknown payload"
     INTERRUPT_TIMEOUT = "interrupt_timeout", "Did not stop within the graceful window"
     SHUTDOWN_TIMEOUT = "shutdown_timeout", "Worker shut down mid-job"
+    INSUFFICIENT_CREDITS = "insufficient_credits", "The organization could not pay for it"
 
 
 class PriorityClass(models.TextChoices):
@@ -115,6 +116,8 @@ class Job(ConcurrentTransitionMixin, models.Model):
     source_session_id = models.CharField(max_length=200, blank=True, default="")
     thread_id = models.CharField(max_length=200, blank=True, default="")
     run_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    traceparent = models.CharField(max_length=55, blank=True, default="",
+                                   help_text="W3C trace context of the span that enqueued it (tracing on)")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     queued_at = models.DateTimeField(null=True, blank=True)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -23,6 +23,7 @@ from core.errors import JobConflict, NotFound, QueueDisabled, QueueFull, Validat
 from core.metrics import metric_observation, metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, event_record, transition_log
+from core.tracing import traced, tracing_traceparent
 from jobs.models import (
     ACTIVE_JOB_STATES,
     TERMINAL_JOB_STATES,
@@ -184,6 +185,13 @@ def _waiting_depth(**filters) -> int:
                                           JobState.AWAITING_USER_CONFIRMATION], **filters).count()
 
 
+def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
+    job = result.job
+    return {"job_id": job.pk, "job_type": job.type, "run_id": job.run_id, "organization_id": job.organization_id,
+            "project_id": job.project_id, "dedupe": result.dedupe}
+
+
+@traced("job enqueue", result_attributes=_enqueued_attributes)
 def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session_id: str = "", thread_id: str = "",
                 run_id: int | None = None, priority: int | None = None, not_before=None,
                 actor=None) -> EnqueueResult:
@@ -238,7 +246,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             lane=lane, dedupe_key=key or "", active_dedupe_key=active_key,
             payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
             timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
-            thread_id=thread_id or (source_session_id or ""), run_id=run_id,
+            thread_id=thread_id or (source_session_id or ""), run_id=run_id, traceparent=tracing_traceparent(),
             deadline_at=now + timedelta(milliseconds=definition.deadline_ms) if definition.deadline_ms else None,
         )
         job.queued_at = now

@@ -1,4 +1,5 @@
-"""The API under /api/: each app's /v1/ endpoints, the OpenAPI schema and its docs page.
+"""The API under /api/: each app's /v1/ endpoints, the OpenAPI schema and its docs page, the
+AsyncAPI document of /ws/events/.
 
 Unknown paths under /api/ answer the API's JSON 404, not an HTML page.
 """
@@ -7,6 +8,7 @@ from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from core.api.views import api_not_found
+from core.asyncapi import AsyncAPIView
 
 urlpatterns = [
     path("v1/", include("core.api.urls")),
@@ -15,6 +17,8 @@ urlpatterns = [
     path("v1/", include("jobs.api.urls")),
     path("v1/", include("billing.api.urls")),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("asyncapi.yaml", AsyncAPIView.as_view(), name="asyncapi-yaml"),
+    path("schema/asyncapi/", AsyncAPIView.as_view(as_json=True), name="asyncapi-json"),
     path("docs/", SpectacularSwaggerView.as_view(url_name="api-schema"), name="api-docs"),
     re_path(r"^[\s\S]*$", api_not_found),  # any path, even with a newline
 ]

@@ -234,6 +234,11 @@ ORCHESTRATOR_PIPELINE_FILE_ROOTS = env_list("ORCHESTRATOR_PIPELINE_FILE_ROOTS",
                                             [str(BASE_DIR / "var" / "pipeline-files")])
 ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES = env_int("ORCHESTRATOR_PIPELINE_FILE_MAX_BYTES", 256 * 1024 * 1024)
 
+# --- Billing (DESIGN §2.3) --------------------------------------------------------------------
+# Key of the ledger's HMAC-SHA256 hash chain. Empty: derived from SECRET_KEY when an entry is
+# hashed (billing/chain.py), never here. Changing it makes check_invariants flag every entry.
+ORCHESTRATOR_LEDGER_HMAC_KEY = env_str("ORCHESTRATOR_LEDGER_HMAC_KEY", "")
+
 # --- Logs ----------------------------------------------------------------------------------------
 # One JSON object per line (core/logging.py), or text. Every state transition is an INFO record
 # of "orchestrator.transitions" with entity, <entity>_id, project_id, run_id, type, attempt,
@@ -348,6 +353,23 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Runs, jobs, credits and events of the run orchestrator. Errors are "
                    "`{\"code\", \"detail\", ...}`; POSTs accept an `Idempotency-Key` header.",
     "VERSION": "1.0.0",
+    "CONTACT": {"name": env_str("ORCHESTRATOR_API_CONTACT_NAME", "Orchestrator Console operators"),
+                **({"url": env_str("ORCHESTRATOR_API_CONTACT_URL", "")}
+                   if env_str("ORCHESTRATOR_API_CONTACT_URL", "") else {})},
+    "SERVERS": [{"url": "/", "description": "this console (the server that serves the schema)"}],
+    "TAGS": [
+        {"name": "organizations", "description": "The caller's organizations (tenants)."},
+        {"name": "projects", "description": "Projects of the caller's organizations; runs and jobs belong to one."},
+        {"name": "runs", "description": "Runs of plans (agents → tasks → steps): create, start, pause, resume, "
+                                        "cancel, retry, approve gates, events, sidecar, suggestions and explanations."},
+        {"name": "escalations", "description": "Runs handed to a human: acknowledge and resolve."},
+        {"name": "jobs", "description": "The job queue: enqueue (optionally waiting for the result), read, cancel."},
+        {"name": "ledger", "description": "The append-only credit ledger."},
+        {"name": "artifacts", "description": "Files written by runs' steps, until they expire."},
+        {"name": "events", "description": "The event outbox after an id: the reconciliation feed of /ws/events/."},
+        {"name": "health", "description": "Liveness of the database, broker, workers and queue (no credentials)."},
+        {"name": "ping", "description": "Checks credentials."},
+    ],
     "SERVE_INCLUDE_SCHEMA": False,
     "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
     "SCHEMA_PATH_PREFIX": r"/api/v[0-9]+",

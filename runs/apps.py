@@ -6,9 +6,11 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self):
+        from core.metrics import COLLECTORS
         from core.scopes import event_scope_register
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
         from runs import execution, services, tools  # noqa: F401  (tools: registers the built-in tools)
+        from runs.metrics import runs_collect
         from runs.models import Run
         from runs.reaper import run_heartbeat_hook, runs_reap
 
@@ -21,3 +23,5 @@ class RunsConfig(AppConfig):
             MAINTENANCE_HOOKS.append(runs_reap)
         if run_heartbeat_hook not in HEARTBEAT_HOOKS:
             HEARTBEAT_HOOKS.append(run_heartbeat_hook)
+        if runs_collect not in COLLECTORS:
+            COLLECTORS.append(runs_collect)

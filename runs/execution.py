@@ -19,6 +19,7 @@ from django.db.models import Min
 from django.utils import timezone
 
 from core.errors import CommandConflict, InvalidTransition, NotFound, ValidationFailed
+from core.tracing import traced
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
 from jobs.services import job_enqueue
 from jobs.tools import tool_get
@@ -96,6 +97,10 @@ def _tick(ctx, payload: dict) -> dict:
     return {"run": run_id, "status": run.status, "steps": [step.pk for step in steps]}
 
 
+@traced("run step", attributes=lambda ctx, payload: {"run_id": payload["run"], "step_id": payload["step"],
+                                                     "job_id": ctx.job_id, "project_id": ctx.project_id},
+        result_attributes=lambda result: {"attempt": result.get("attempt"), "decision": result.get("decision"),
+                                          "error_code": result.get("error")})
 def _step(ctx, payload: dict) -> dict:
     run_id, step_id = payload["run"], payload["step"]
     try:

@@ -6,11 +6,13 @@ fixed number of queries whatever the number of runs.
 
 from __future__ import annotations
 
+import hmac
 from collections import defaultdict
 from dataclasses import dataclass
 
 from django.db.models import Count, F, Q, Sum
 
+from billing.chain import chain_key, legacy_seal
 from billing.models import CreditAccount, LedgerEntry
 from billing.selectors import ledger_account_sums
 from runs.models import LIVE_NODE_STATES, Agent, Artifact, NodeStatus, Run, RunAttempt, Step, Task
@@ -93,22 +95,40 @@ def check_credits() -> list[Violation]:
 
 
 def check_ledger_integrity() -> list[Violation]:
-    """Every entry's hash matches its content and chains to the previous one of its organization."""
+    """Every entry's keyed hash matches its content and chains to the previous one of its
+    organization; entries hashed before the chain was keyed end where their seal says."""
     violations: list[Violation] = []
+    key = chain_key()
+    accounts = {account.organization_id: account for account in CreditAccount.objects.all()}
+    legacy_end = {org: account.legacy_chain_end for org, account in accounts.items()
+                  if account.legacy_chain_end is not None}
+    legacy_last: dict[int, tuple[int, str]] = {}
     last_hash: dict[int, str] = defaultdict(str)
     for entry in LedgerEntry.objects.order_by("id").iterator(chunk_size=2000):
+        organization_id = entry.organization_id
         if entry.amount <= 0:
             violations.append(Violation("ledger", f"entry {entry.pk}: amount {entry.amount} is not positive"))
-        if entry.prev_hash != last_hash[entry.organization_id]:
+        if entry.prev_hash != last_hash[organization_id]:
             violations.append(Violation("ledger", f"entry {entry.pk}: chain broken (an entry before it of "
-                                                  f"organization {entry.organization_id} changed or vanished)"))
-        if entry.compute_hash() != entry.entry_hash:
+                                                  f"organization {organization_id} changed or vanished)"))
+        legacy = organization_id in legacy_end and entry.pk <= legacy_end[organization_id]
+        expected = entry.compute_legacy_hash() if legacy else entry.compute_hash(key=key)
+        if not hmac.compare_digest(expected, entry.entry_hash):
             violations.append(Violation("ledger", f"entry {entry.pk}: content changed after it was written"))
-        last_hash[entry.organization_id] = entry.entry_hash
-    for account in CreditAccount.objects.all():
-        if account.last_entry_hash != last_hash[account.organization_id]:
-            violations.append(Violation("ledger", f"organization {account.organization_id}: its newest entry "
+        if legacy:
+            legacy_last[organization_id] = (entry.pk, entry.entry_hash)
+        last_hash[organization_id] = entry.entry_hash
+    for organization_id, account in accounts.items():
+        if account.last_entry_hash != last_hash[organization_id]:
+            violations.append(Violation("ledger", f"organization {organization_id}: its newest entry "
                                                   f"is not the one the account last wrote"))
+        if organization_id in legacy_end:
+            end_id, end_hash = legacy_last.get(organization_id, (None, ""))
+            seal = legacy_seal(organization_id=organization_id, entry_id=legacy_end[organization_id],
+                               entry_hash=end_hash, key=key)
+            if end_id != legacy_end[organization_id] or not hmac.compare_digest(seal, account.legacy_chain_seal):
+                violations.append(Violation("ledger", f"organization {organization_id}: its unkeyed entries up "
+                                                      f"to {legacy_end[organization_id]} do not match their seal"))
     return violations
 
 

@@ -7,8 +7,13 @@ from django.conf import settings
 from django.db import connection
 
 from billing.services import organization_create
+from tests.ledger_guard import flush_lifting_ledger_triggers
 
 ON_POSTGRES = settings.DATABASE_IS_POSTGRES
+
+# The ledger's triggers refuse TRUNCATE (PostgreSQL) and DELETE (SQLite); the flush between
+# transactional tests lifts them in its own transaction (tests/ledger_guard.py).
+flush_lifting_ledger_triggers()
 
 
 @pytest.fixture(autouse=True)

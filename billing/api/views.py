@@ -16,7 +16,9 @@ from core.api.tenancy import VisibleIdFilter, visible_get, visible_organizations
 
 
 class BalanceView(ApiView):
-    @extend_schema(summary="An organization's credits: balance, reserved, available",
+    @extend_schema(description=("The organization's credit balance, the credits reserved by its runs and those "
+                                "available for new runs."),
+                   summary="An organization's credits: balance, reserved, available",
                    responses={200: BalanceSerializer, **errors("not_found")})
     def get(self, request, pk: int):
         organization = visible_get(visible_organizations(request), request, pk, entity="organization", field="id")
@@ -35,9 +37,13 @@ class LedgerFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Ledger entries of the caller's organizations (by run, kind)",
+    list=extend_schema(description=("The append-only credit ledger of the caller's organizations, newest first; "
+                                    "filter by `run` and `kind` (topup, reserve, charge, refund)."),
+                       summary="Ledger entries of the caller's organizations (by run, kind)",
                        responses={200: LedgerEntrySerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A ledger entry", responses={200: LedgerEntrySerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One ledger entry: kind, amount, the balance after it, its run and its "
+                                        "hash-chain link."),
+                           summary="A ledger entry", responses={200: LedgerEntrySerializer, **errors("not_found")}),
 )
 class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = LedgerEntry.objects.order_by("-id")

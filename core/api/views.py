@@ -18,9 +18,11 @@ from core.models import Organization, Project
 
 
 @extend_schema_view(
-    list=extend_schema(summary="The caller's organizations", responses={200: OrganizationSerializer(many=True),
+    list=extend_schema(description=("The organizations the authenticated user is a member of."),
+                       summary="The caller's organizations", responses={200: OrganizationSerializer(many=True),
                                                                         **errors("not_found")}),
-    retrieve=extend_schema(summary="An organization", responses={200: OrganizationSerializer,
+    retrieve=extend_schema(description=("One of the caller's organizations; any other id answers 404."),
+                           summary="An organization", responses={200: OrganizationSerializer,
                                                                  **errors("not_found")}),
 )
 class OrganizationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
@@ -40,9 +42,12 @@ class ProjectFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Projects of the caller's organizations",
+    list=extend_schema(description=("Projects of the organizations the caller is a member of; filter by "
+                                    "`organization`."),
+                       summary="Projects of the caller's organizations",
                        responses={200: ProjectSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A project", responses={200: ProjectSerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One project of the caller's organizations, with its retention."),
+                           summary="A project", responses={200: ProjectSerializer, **errors("not_found")}),
 )
 class ProjectViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Project.objects.order_by("id")
@@ -54,7 +59,9 @@ class ProjectViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSe
 class PingView(ApiView):
     """The cheapest authenticated endpoint: checks credentials (and measures the stack)."""
 
-    @extend_schema(summary="Check credentials", responses={200: PingSerializer})
+    @extend_schema(description=("Answers `{\"pong\": true}` to an authenticated caller: the cheapest way to check a "
+                                "token or a session."),
+                   summary="Check credentials", responses={200: PingSerializer})
     def get(self, request):
         return Response({"pong": True})
 

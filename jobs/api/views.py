@@ -24,6 +24,7 @@ from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
 from core.errors import CommandConflict, NotFound, PermissionRefused, ValidationFailed
 from jobs.api.serializers import JobCancelSerializer, JobEnqueuedSerializer, JobEnqueueSerializer, JobSerializer
+from jobs.commands.job import command_job_credits_check
 from jobs.models import CommandRecord, Job, JobState, WorkerHeartbeat, WorkerSession
 from jobs.registry import definition_get
 from jobs.services import job_as_dict, job_cancel, job_enqueue
@@ -109,9 +110,12 @@ class JobFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Jobs of the caller's organizations (by project, state, type)",
+    list=extend_schema(description=("Jobs of the caller's organizations, newest first; filter by `project`, `state` "
+                                    "and `type`."),
+                       summary="Jobs of the caller's organizations (by project, state, type)",
                        responses={200: JobSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A job", responses={200: JobSerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One job: its type, state, reason, attempts, timings, result or error."),
+                           summary="A job", responses={200: JobSerializer, **errors("not_found")}),
 )
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Job.objects.order_by("-id")
@@ -125,11 +129,14 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return not (self.action == "create" and isinstance(data, dict) and data.get("wait_ms"))
 
     @extend_schema(
+        description=("Enqueues a job of a registered type for a project (deduplicated by the type's rule). With "
+                     "`wait_ms`, waits that long for it to finish and answers its result (200), or 202 with the job "
+                     "to poll. A full queue answers 429 `queue_full` with a retry hint."),
         summary="Enqueue a job; with wait_ms, its result when it finishes in time (else 202)",
         request=JobEnqueueSerializer,
         responses={202: JobEnqueuedSerializer, 200: JobEnqueuedSerializer,
-                   **errors("validation_error", "not_found", "system_session", "command_conflict", "queue_full",
-                            "queue_disabled")})
+                   **errors("validation_error", "not_found", "system_session", "command_conflict",
+                            "insufficient_credits", "queue_full", "queue_disabled")})
     def create(self, request):
         serializer = JobEnqueueSerializer(data=request.data)
         valid = serializer.is_valid()
@@ -149,6 +156,7 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
             _source_session_check(request, session_key)
         if job_type == "command":
             _command_conflict_check(project, payload)
+            command_job_credits_check(project=project, payload=payload)
         result = job_enqueue(job_type=job_type, project=project, payload=payload, source_session_id=session_key,
                              actor=request.user)
         job = result.job
@@ -160,7 +168,9 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         return Response({"status": "queued", "dedupe": result.dedupe, **job_as_dict(job)},
                         status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
+    @extend_schema(description=("Cancels a waiting job at once; an executing job is asked to stop and ends cancelled "
+                                "when its worker sees it. A terminal job answers 409 `job_conflict`."),
+                   summary="Cancel a job (an executing one is asked to stop)", request=JobCancelSerializer,
                    responses={200: JobSerializer, **errors("not_found", "permission_denied", "job_conflict")})
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
@@ -238,7 +248,10 @@ class HealthView(ApiView):
     authentication_classes = [SessionAuthentication]  # a staff session sees the parts; a token: see below
     throttle_classes = []
 
-    @extend_schema(summary="Health: 200 when every part is ok, else 503; staff and the metrics token also get "
+    @extend_schema(description=("Checks the database, the broker, the workers' heartbeats and the queue; no "
+                                "credentials needed. Anonymous callers get only ok or failing; staff and the "
+                                "metrics token also get the parts and the names of the failing ones."),
+                   summary="Health: 200 when every part is ok, else 503; staff and the metrics token also get "
                            "the parts and the names of the failing ones",
                    responses={200: HealthSerializer, 503: HealthSerializer})
     def get(self, request):

@@ -9,17 +9,24 @@ A ``command`` payload needs its own idempotency key. A ``tool`` payload may omit
 then ``job:<job id>``, the same for every attempt of the job, so a retried or recovered job
 replays its command instead of repeating the side effect. Conflicts and invalid arguments
 are fatal; adapter and tool failures keep their own retryable/fatal classification.
+
+A tool run this way is billed like a step: its registered cost is charged to the project's
+organization once per command, when the command is first executed (a replay or a retry of the
+same command is not charged again). An organization that cannot pay gets ``402
+insufficient_credits`` from the API when that is already known at enqueue time, and in any
+case the job fails with reason ``insufficient_credits`` before anything is recorded or run.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from core.errors import CommandConflict, ValidationFailed
+from billing.selectors import account_balance, direct_charge_exists
+from core.errors import CommandConflict, InsufficientCredits, ValidationFailed
 from core.models import Project
-from jobs.commands.services import command_execute
+from jobs.commands.services import command_cost, command_execute
 from jobs.commands.validation import WRITE_COMMANDS, command_args_validate, idempotency_key_errors
-from jobs.models import CommandKind
+from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import Dedupe, JobDefinition, RetryPolicy, classify_default, register
 
 JOB_TYPE = "command"
@@ -68,9 +75,35 @@ def command_job_run(ctx, payload: dict) -> dict[str, Any]:
     key = payload.get("idempotency_key") or f"job:{ctx.job_id}"
     project = Project.objects.get(pk=ctx.project_id)
     outcome = command_execute(project=project, kind=kind, args=args, idempotency_key=key,
-                              should_stop=ctx.should_stop)
+                              should_stop=ctx.should_stop, billed=True)
     return {"command": kind, "commandId": outcome.command.pk, "idempotencyKey": key, "replayed": outcome.replayed,
             "result": outcome.result}
+
+
+def command_job_credits_check(*, project: Project, payload: dict) -> None:
+    """Refuse now (``InsufficientCredits``) a command job its organization cannot pay for.
+
+    Only a pre-check at enqueue time: the charge itself happens, exactly once, when the command
+    first runs. A command already finished or already charged under the payload's key is a
+    replay and costs nothing.
+    """
+    kind, args = _command_of(payload)
+    cost = command_cost(kind, args)
+    if cost <= 0:
+        return
+    key = payload.get("idempotency_key")
+    if key:
+        record = (CommandRecord.objects.filter(project=project, kind=kind, idempotency_key=key)
+                  .values("pk", "status").first())
+        if record is not None and (record["status"] != CommandStatus.RECORDED or direct_charge_exists(
+                organization_id=project.organization_id, idempotency_key=f"command:{record['pk']}")):
+            return
+    available = account_balance(organization_id=project.organization_id)["available"]
+    if available < cost:
+        raise InsufficientCredits(
+            f"organization {project.organization_id} has {available} credits available; {cost} needed",
+            available=available, required=cost,
+        )
 
 
 def classify_command_error(exc: BaseException) -> str:

@@ -11,7 +11,10 @@ Guarantees (seed 000, AG-EXE-01):
   again with the same key: the adapter is idempotent by key, so the effect happens once;
 * the same key with another payload raises ``CommandConflict`` (409 ``command_conflict``);
 * every recorded command writes ``command_recorded`` then ``command_succeeded`` or
-  ``command_failed`` events (``final`` says whether a failed command may be replayed).
+  ``command_failed`` events (``final`` says whether a failed command may be replayed);
+* a ``billed`` command (a ``command`` job's) is charged its tool's cost, once: the first
+  execution writes a direct ``charge`` entry keyed ``command:<command id>`` in the transaction
+  that records it; without the credits nothing is recorded or called (``InsufficientCredits``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any, Callable
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from billing.services import account_charge
 from core.errors import CommandConflict, DomainError, ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
@@ -90,13 +94,17 @@ def _locked(project: Project, kind: str, key: str) -> CommandRecord | None:
 
 def command_execute(*, project: Project, kind: str, args: dict, idempotency_key: str, actor=None,
                     adapter: ExecutionAdapter | None = None,
-                    should_stop: Callable[[], bool] | None = None, attempt: int | None = None) -> CommandResult:
+                    should_stop: Callable[[], bool] | None = None, attempt: int | None = None,
+                    billed: bool = False) -> CommandResult:
     """Execute command ``kind`` at most once per ``(project, kind, idempotency_key)``.
 
     Raises ``ValidationFailed`` (nothing recorded), ``CommandConflict`` (same key, other
     payload), ``CommandFailed`` (the adapter or tool failed; ``retryable`` tells whether a
     replay will try again). ``should_stop`` is handed to tools as their cancellation check;
     ``attempt`` is the caller's own attempt number a tool sees (default: the record's calls).
+    ``billed``: charge the command's cost to the project's organization before it first runs
+    (``InsufficientCredits``: nothing recorded, nothing called); a step's commands are not
+    billed here, the run's reservation pays for them.
     """
     key_errors = idempotency_key_errors(idempotency_key)
     if key_errors:
@@ -104,7 +112,7 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
     normalized = command_args_validate(kind, args)
     digest = payload_hash(normalized)
     record, execute = _command_record(project=project, kind=kind, key=idempotency_key, args=normalized,
-                                      digest=digest, actor=actor)
+                                      digest=digest, actor=actor, billed=billed)
     if not execute:
         return _replayed(record)
     try:
@@ -134,9 +142,28 @@ def _replayed(record: CommandRecord) -> CommandResult:
                         retryable=False, command_id=record.pk)
 
 
+def command_cost(kind: str, args: dict) -> int:
+    """Credits a billed command costs: its tool's registered cost; adapter commands are free."""
+    if kind != CommandKind.INVOKE_TOOL:
+        return 0
+    tool = tool_get(args.get("tool")) if isinstance(args.get("tool"), str) else None
+    return tool.cost if tool is not None else 0
+
+
+def _command_charge(record: CommandRecord, project: Project, actor) -> None:
+    """Charge a billed command once (its ledger key is the command's id); may refuse."""
+    cost = command_cost(record.kind, record.args)
+    if cost <= 0:
+        return
+    account_charge(organization_id=project.organization_id, project_id=project.pk, amount=cost,
+                   idempotency_key=f"command:{record.pk}", actor=actor,
+                   reason=f"{record.kind} {record.args.get('tool')} (key {record.idempotency_key})"[:500])
+
+
 def _command_record(*, project: Project, kind: str, key: str, args: dict, digest: str,
-                    actor) -> tuple[CommandRecord, bool]:
-    """Record (or find) the command and commit; True when it must be executed now."""
+                    actor, billed: bool = False) -> tuple[CommandRecord, bool]:
+    """Record (or find) the command, charge it when ``billed``, and commit; True when it must
+    be executed now."""
     with transaction.atomic(durable=True):
         record = _locked(project, kind, key)
         created = False
@@ -159,6 +186,8 @@ def _command_record(*, project: Project, kind: str, key: str, args: dict, digest
                 kind=kind, idempotency_key=key, command_id=record.pk)
         if record.status != CommandStatus.RECORDED:
             return record, False
+        if billed:
+            _command_charge(record, project, actor)  # InsufficientCredits rolls the record back
         record.attempts += 1
         record.save(update_fields=["attempts", "updated_at"])
         if created:

@@ -59,9 +59,13 @@ class ArtifactFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Artifacts of the caller's runs (by run)",
+    list=extend_schema(description=("Artifacts (files a run's steps wrote) of runs in the caller's organizations, "
+                                    "newest first; filter by `run`. Expired artifacts are listed with their expiry "
+                                    "but their files are gone."),
+                       summary="Artifacts of the caller's runs (by run)",
                        responses={200: ArtifactSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="An artifact", responses={200: ArtifactSerializer, **errors("not_found")}),
+    retrieve=extend_schema(description=("One artifact's metadata: its run, name, size, digest and expiry."),
+                           summary="An artifact", responses={200: ArtifactSerializer, **errors("not_found")}),
 )
 class ArtifactViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     serializer_class = ArtifactSerializer
@@ -73,7 +77,10 @@ class ArtifactViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewS
         self.queryset = Artifact.objects.order_by("-id")
         return super().get_queryset()
 
-    @extend_schema(summary="Download an artifact (pushes its expiry forward first)",
+    @extend_schema(description=("The artifact's file. A download pushes the artifact's expiry out by "
+                                "`ORCHESTRATOR_ARTIFACT_ACCESS_EXTENSION_S` first; an expired artifact answers 410 "
+                                "`artifact_expired`."),
+                   summary="Download an artifact (pushes its expiry forward first)",
                    responses={(200, "application/octet-stream"): OpenApiResponse(OpenApiTypes.BINARY),
                               **errors("not_found", "artifact_expired")})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, BinaryRenderer])

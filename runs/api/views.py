@@ -86,11 +86,17 @@ class RunEventQuerySerializer(serializers.Serializer):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Runs of the caller's organizations",
+    list=extend_schema(description=("Runs of the caller's organizations, newest first; filter by `project`, `status` "
+                                    "and creation time."),
+                       summary="Runs of the caller's organizations",
                        responses={200: RunSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A run: status, attempt, credits, counts, last error",
+    retrieve=extend_schema(description=("One run: its status and reason, attempt, reserved, charged and refunded "
+                                        "credits, counts of agents, tasks and steps by status, and its last error."),
+                           summary="A run: status, attempt, credits, counts, last error",
                            responses={200: RunDetailSerializer, **errors("not_found")}),
-    destroy=extend_schema(summary="Delete a run that was never started",
+    destroy=extend_schema(description=("Deletes a run still in `created` (nothing was reserved or executed); any "
+                                       "other status answers 409 `invalid_transition`."),
+                          summary="Delete a run that was never started",
                           responses={204: None, **errors("not_found", "invalid_transition")}),
 )
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
@@ -109,7 +115,10 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     def _detail(self, run: Run, http_status: int = status.HTTP_200_OK) -> Response:
         return Response(RunDetailSerializer(run).data, status=http_status)
 
-    @extend_schema(summary="Create a run (status created)", request=RunCreateSerializer,
+    @extend_schema(description=("Validates the plan (agents → tasks → steps of registered tools), estimates its cost "
+                                "and creates the run in `created`; `POST .../start/` reserves its credits and starts "
+                                "it."),
+                   summary="Create a run (status created)", request=RunCreateSerializer,
                    responses={201: RunDetailSerializer, **errors("validation_error", "insufficient_credits",
                                                                   "not_found")})
     def create(self, request):
@@ -140,19 +149,27 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                     "pipeline_key_in_use")
     @action(detail=True, methods=["post"])
     def start(self, request, pk=None):
+        """created → pending: reserves the run's credit limit from its organization and queues its first work. Not
+        enough available credits answers 402 `insufficient_credits`."""
         return self._act(request, services.run_start)
 
     @_action_schema("Cancel: refunds every credit not charged")
     @action(detail=True, methods=["post"])
     def cancel(self, request, pk=None):
+        """Cancels a created, pending, running or paused run: live agents end and every credit not charged is
+        refunded."""
         return self._act(request, services.run_cancel)
 
     @_action_schema("Pause a running run")
     @action(detail=True, methods=["post"])
     def pause(self, request, pk=None):
+        """running → paused: no new step starts; steps already executing finish. `POST .../resume/` continues it."""
         return self._act(request, services.run_pause)
 
-    @extend_schema(summary="Resume a paused run (seed 002 §7: a gated run's pins and last passed gate are "
+    @extend_schema(description=("Resumes a paused run: paused → resuming → running. A gated run's pins and its last "
+                                "passed gate are checked again first; a run awaiting an approval needs the `gate` and"
+                                " an unused `approval_ref`."),
+                   summary="Resume a paused run (seed 002 §7: a gated run's pins and last passed gate are "
                            "checked again; a run awaiting approval needs `gate` and `approval_ref`)",
                    request=ResumeSerializer,
                    responses={200: RunDetailSerializer,
@@ -175,7 +192,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                                       status_reason=result.detail, drift=result.drift)
         return self._detail(Run.objects.get(pk=result.run.pk))
 
-    @extend_schema(summary="Acknowledge the drift a run stopped on (the live value becomes the pin)",
+    @extend_schema(description=("A gated run stopped because a pinned value changed: acknowledging takes the live "
+                                "value as the new pin, so the run can be resumed."),
+                   summary="Acknowledge the drift a run stopped on (the live value becomes the pin)",
                    request=AcknowledgeDriftSerializer,
                    responses={200: RunDetailSerializer,
                               **errors("not_found", "drift_not_pending")})
@@ -189,7 +208,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                                 dimension=data["dimension"] or None)
         return self._detail(Run.objects.get(pk=self.get_object().pk))
 
-    @extend_schema(summary="Void a stopped run (paused or failed): cancelled as voided:<reason>, its phase keys "
+    @extend_schema(description=("Ends a paused or failed run as cancelled (`voided:<reason>`): its pipeline phase "
+                                "keys are released and every credit not charged is refunded."),
+                   summary="Void a stopped run (paused or failed): cancelled as voided:<reason>, its phase keys "
                            "released, unused credits refunded",
                    request=ReasonRequiredSerializer,
                    responses={200: RunDetailSerializer, **errors("not_found", "permission_denied",
@@ -203,7 +224,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                                 reason=serializer.validated_data["reason"])
         return self._detail(run)
 
-    @extend_schema(summary="The run's sidecar (seed 002 §5, schema_version 1)",
+    @extend_schema(description=("The run's sidecar document: its pipeline phases, gates, pins and caps with their "
+                                "current state (`schema_version` 1)."),
+                   summary="The run's sidecar (seed 002 §5, schema_version 1)",
                    responses={200: {"type": "object", "description": "see runs/sidecar.schema.json"},
                               **errors("not_found")})
     @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
@@ -213,9 +236,12 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     @_action_schema("Retry a failed run (a new attempt and reservation)", "insufficient_credits", "queue_full")
     @action(detail=True, methods=["post"])
     def retry(self, request, pk=None):
+        """failed → retrying → pending: a new attempt with a new reservation, while attempts are left."""
         return self._act(request, services.run_retry)
 
-    @extend_schema(summary="Approve a gate the run is waiting for", request=ApproveSerializer,
+    @extend_schema(description=("Approves the gate a paused run waits for with an approval reference (used once); the"
+                                " run then resumes."),
+                   summary="Approve a gate the run is waiting for", request=ApproveSerializer,
                    responses={200: RunDetailSerializer,
                               **errors("not_found", "invalid_transition", "approval_reused", "approval_not_pending",
                                        "queue_full")})
@@ -230,7 +256,9 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
                              reason=data["reason"])
         return self._detail(Run.objects.get(pk=run.pk))
 
-    @extend_schema(summary="The run's events after an id", parameters=[RunEventQuerySerializer],
+    @extend_schema(description=("The run's events with an id greater than `after`, in id order (at most `limit`): the"
+                                " same rows the WebSocket stream sends, for catching up."),
+                   summary="The run's events after an id", parameters=[RunEventQuerySerializer],
                    responses={200: EventPageSerializer, **errors("validation_error", "not_found")})
     @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
     def events(self, request, pk=None):
@@ -263,9 +291,13 @@ class EscalationFilter(filters.FilterSet):
 
 
 @extend_schema_view(
-    list=extend_schema(summary="Escalation tickets of the caller's organizations",
+    list=extend_schema(description=("Escalation tickets (runs handed to a human) of the caller's organizations; "
+                                    "filter by `status`, `run`."),
+                       summary="Escalation tickets of the caller's organizations",
                        responses={200: EscalationSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="An escalation ticket", responses={200: EscalationSerializer,
+    retrieve=extend_schema(description=("One escalation ticket: its run, trigger, severity, detail and who "
+                                        "acknowledged or resolved it."),
+                           summary="An escalation ticket", responses={200: EscalationSerializer,
                                                                       **errors("not_found")}),
 )
 class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
@@ -274,7 +306,9 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
     filterset_class = EscalationFilter
     entity = "escalation"
 
-    @extend_schema(summary="Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
+    @extend_schema(description=("Marks an open escalation as being looked at (audited with the reason); needs the "
+                                "organization's owner or runs.manage_escalation."),
+                   summary="Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
                    request=ActionSerializer,
                    responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
                                                                   "invalid_transition")})
@@ -287,7 +321,9 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
                                                     reason=serializer.validated_data["reason"])
         return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
-    @extend_schema(summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
+    @extend_schema(description=("Closes an escalation with a resolution note (audited); a new escalation of the same "
+                                "trigger may then open. Needs the organization's owner or runs.manage_escalation."),
+                   summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
                    request=ResolveSerializer,
                    responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
                                                                   "invalid_transition")})
@@ -304,7 +340,9 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
 class EventListView(ApiView):
     """The event log (outbox) for reconciliation: ``?after=<id>`` in id order, cursor paginated."""
 
-    @extend_schema(summary="Events after an id, in id order (cursor by id)", parameters=[EventQuerySerializer],
+    @extend_schema(description=("Events of the caller's organizations with an id greater than `after`, in id order: "
+                                "the reconciliation feed of the WebSocket stream (`/ws/events/`)."),
+                   summary="Events after an id, in id order (cursor by id)", parameters=[EventQuerySerializer],
                    responses={200: EventPageSerializer, **errors("validation_error", "not_found")})
     def get(self, request):
         query = EventQuerySerializer(data=request.query_params)

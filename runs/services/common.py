@@ -16,6 +16,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
+from core.metrics import metric_sample, metrics_add
 from core.services import audit_record, event_record, transition_log
 from runs.models import (
     DONE_NODE_STATES,
@@ -111,6 +112,9 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     payload.update(extra or {})
     event_record(type=f"run_{run.status}", organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
+    if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
+        metrics_add([metric_sample("runs_finished", state=run.status,
+                                   reason=run.last_error_code if run.status == Run.Status.FAILED else "")])
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

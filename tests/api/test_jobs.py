@@ -168,6 +168,26 @@ def test_a_command_key_recorded_with_another_payload_is_409(tenant):
     assert same.status_code == 202  # the same payload replays the recorded command when it runs
 
 
+def test_a_tool_command_the_organization_cannot_pay_for_is_402(tenant_factory):
+    from jobs.commands.services import command_execute
+
+    broke = tenant_factory(credits=0)
+    for payload in ({"tool": "echo", "args": {"text": "hi"}},
+                    {"command": "invoke_tool", "args": {"tool": "http_request", "args": {"url": "http://127.0.0.1/"}},
+                     "idempotency_key": "fetch-1"}):
+        body = assert_error(enqueue(broke, type="command", payload=payload), 402, "insufficient_credits")
+        assert body["available"] == 0 and body["required"] in (1, 2)
+    assert Job.objects.count() == 0 and CommandRecord.objects.count() == 0
+    # Adapter commands have no tool cost; a replay of a command already done costs nothing.
+    assert enqueue(broke, type="command", payload={"command": "create_deployment", "args": {"name": "web"},
+                                                   "idempotency_key": "deploy"}).status_code == 202
+    command_execute(project=broke.project, kind="invoke_tool", args={"tool": "echo", "args": {"text": "hi"}},
+                    idempotency_key="done-before")
+    replay = enqueue(broke, type="command", payload={"command": "invoke_tool", "idempotency_key": "done-before",
+                                                     "args": {"tool": "echo", "args": {"text": "hi"}}})
+    assert replay.status_code == 202
+
+
 def test_wait_ms_times_out_into_202(tenant, settings):
     settings.ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS = 50
     response = enqueue(tenant, wait_ms=10_000)  # capped at 50 ms

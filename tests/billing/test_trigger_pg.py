@@ -1,4 +1,5 @@
-"""On PostgreSQL the ledger is append-only in the database itself (migration 0002's trigger).
+"""On PostgreSQL the ledger is append-only in the database itself (migrations 0002 and 0005:
+UPDATE, DELETE and TRUNCATE are refused; TRUNCATE in tests/billing/test_append_only.py).
 
 Even SQL that goes around the model layer cannot change or remove an entry; inserting works.
 Each refused statement runs in its own savepoint so the test's transaction stays usable.
@@ -31,8 +32,8 @@ def refused(sql: str, params: list | None = None) -> DatabaseError:
 def test_the_trigger_is_installed():
     with connection.cursor() as cursor:
         cursor.execute("SELECT tgname FROM pg_trigger WHERE tgrelid = 'billing_ledgerentry'::regclass "
-                       "AND NOT tgisinternal")
-        assert [row[0] for row in cursor.fetchall()] == ["billing_ledger_append_only"]
+                       "AND NOT tgisinternal ORDER BY tgname")
+        assert [row[0] for row in cursor.fetchall()] == ["billing_ledger_append_only", "billing_ledger_no_truncate"]
 
 
 @pytest.mark.parametrize("sql", [

@@ -13,6 +13,9 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
+from billing.models import LedgerEntry
+from billing.selectors import account_balance
+from billing.services import account_topup
 from core.errors import CommandConflict, NotFound, ValidationFailed
 from core.models import AuditRecord, Event
 from jobs.commands import selectors
@@ -33,6 +36,7 @@ from jobs.models import (
 )
 from jobs.services import job_claim, job_enqueue
 from jobs import tools
+from runs.invariants import invariants_check
 
 COMMAND_EVENTS = ("command_recorded", "command_succeeded", "command_failed")
 
@@ -433,6 +437,96 @@ def test_a_persisted_invalid_command_payload_is_terminalized(project):
     job = run_next()
     assert (job.state, job.reason) == (JobState.FAILED, JobReason.INVALID_PAYLOAD)
     assert CommandRecord.objects.count() == 0
+
+
+# --- billing of command jobs --------------------------------------------------------------
+
+def command_charges(organization_id):
+    return list(LedgerEntry.objects.filter(organization_id=organization_id, kind="charge")
+                .values_list("amount", "source", "run_id", "idempotency_key"))
+
+
+def balance_of(organization_id):
+    return account_balance(organization_id=organization_id)
+
+
+def test_a_command_job_tool_is_charged_once_across_replays(project):
+    payload = {"command": "invoke_tool", "args": {"tool": "echo", "args": {"text": "hi"}}, "idempotency_key": "k"}
+    before = balance_of(project.organization_id)["balance"]
+    for _ in range(2):
+        job_enqueue(job_type="command", project=project, payload=payload)
+        job = run_next()
+        assert job.state == JobState.COMPLETED and job.result["result"] == {"text": "hi"}
+    assert job.result["replayed"] is True
+    record = CommandRecord.objects.get()
+    assert command_charges(project.organization_id) == [(1, "direct", None, f"command:{record.pk}")]
+    assert balance_of(project.organization_id) == {"organization": project.organization_id, "balance": before - 1,
+                                                   "reserved": 0, "available": before - 1}
+    assert Event.objects.filter(type="ledger_charge", project_id=project.pk).count() == 1
+    assert invariants_check() == []
+
+
+def test_a_tool_job_is_charged_its_tool_cost_and_a_retry_is_not_charged_again(org_factory):
+    organization, project, _ = org_factory(credits=3)
+    job_enqueue(job_type="command", project=project, payload={"tool": "deploy", "args": {"name": "web"}})
+    assert run_next().state == JobState.COMPLETED
+    assert balance_of(organization.pk)["balance"] == 1  # deploy costs 2
+    # 1 credit left: the fail tool (cost 1) fails retryably once, its retry runs unpaid-for again.
+    job_enqueue(job_type="command", project=project, payload={"tool": "fail", "args": {"mode": "retryable"}})
+    job = run_next()
+    assert (job.state, job.reason) == (JobState.AWAITING_TOOL, JobReason.RETRY_SCHEDULED)
+    assert balance_of(organization.pk)["balance"] == 0
+    job = run_next(now=timezone.now() + timedelta(minutes=1))
+    assert job.state == JobState.COMPLETED and job.result["result"] == {"attempt": 2}
+    assert [amount for amount, *_ in command_charges(organization.pk)] == [2, 1]
+    assert balance_of(organization.pk)["balance"] == 0
+    assert invariants_check() == []
+
+
+def test_a_command_job_the_organization_cannot_pay_for_fails_without_running(org_factory, tool):
+    organization, project, _ = org_factory(credits=0)
+    called = []
+    tool("counted", lambda args, ctx: called.append(ctx.idempotency_key) or {"ok": True})
+    job_enqueue(job_type="command", project=project, payload={"tool": "counted", "args": {}})
+    job_enqueue(job_type="command", project=project, payload={
+        "command": "invoke_tool", "args": {"tool": "counted", "args": {}}, "idempotency_key": "named"})
+    for _ in range(2):
+        job = run_next()
+        assert (job.state, job.reason, job.attempts) == (JobState.FAILED, JobReason.INSUFFICIENT_CREDITS, 1)
+        assert "InsufficientCredits" in job.error
+    assert called == []
+    assert CommandRecord.objects.count() == 0 and command_events() == []
+    assert command_charges(organization.pk) == []
+    assert balance_of(organization.pk)["balance"] == 0
+    # Once topped up, the same command runs and is charged.
+    account_topup(organization_id=organization.pk, amount=1, reason="top up")
+    job_enqueue(job_type="command", project=project, payload={
+        "command": "invoke_tool", "args": {"tool": "counted", "args": {}}, "idempotency_key": "named"})
+    assert run_next().state == JobState.COMPLETED
+    assert called == ["named"] and balance_of(organization.pk)["balance"] == 0
+    assert invariants_check() == []
+
+
+def test_credits_running_out_stop_the_next_command_job(org_factory, tool):
+    organization, project, _ = org_factory(credits=1)
+    called = []
+    tool("counted", lambda args, ctx: called.append(ctx.idempotency_key) or {"ok": True})
+    first = job_enqueue(job_type="command", project=project, payload={"tool": "counted", "args": {}}).job
+    job_enqueue(job_type="command", project=project, payload={"tool": "counted", "args": {}})
+    assert run_next().state == JobState.COMPLETED
+    job = run_next()
+    assert (job.state, job.reason) == (JobState.FAILED, JobReason.INSUFFICIENT_CREDITS)
+    assert called == [f"job:{first.pk}"]
+    assert balance_of(organization.pk)["available"] == 0 and invariants_check() == []
+
+
+def test_adapter_commands_and_run_steps_are_not_charged_directly(project):
+    job_enqueue(job_type="command", project=project, payload={
+        "command": "create_deployment", "args": {"name": "web"}, "idempotency_key": "d"})
+    assert run_next().state == JobState.COMPLETED
+    command_execute(project=project, kind="invoke_tool", args={"tool": "echo", "args": {"text": "x"}},
+                    idempotency_key="a-step-attempt")
+    assert command_charges(project.organization_id) == []
 
 
 # --- concurrency (PostgreSQL) -------------------------------------------------------------

@@ -13,7 +13,8 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from billing.services import organization_create
-from core.metrics import ledger_rollup, metrics_compact
+from billing.metrics import ledger_rollup
+from core.metrics import metrics_compact
 from core.models import MetricDelta
 from jobs.models import Job, JobState, WorkerHeartbeat
 from jobs.registry import Dedupe, RetryPolicy

@@ -8,6 +8,8 @@ import json
 import argparse
 import math
 
+from django.core.management.base import CommandError
+
 from core.management.base import RunbookCommand, progress_bar, whole_number
 from console.retention import STEP_NAMES, retention_prune
 

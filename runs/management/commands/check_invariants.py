@@ -6,11 +6,13 @@ import sys
 from django.core.management.base import BaseCommand
 
 from runs.invariants import CHECKS, invariants_check
+from runs.metrics import invariants_record
 
 
 class Command(BaseCommand):
     help = ("Check credit conservation (per run attempt and per organization), the ledger's integrity "
-            "(append-only hash chain), the run hierarchy and state consistency. Exits 1 on any violation.")
+            "(append-only hash chain), the run hierarchy and state consistency. Exits 1 on any violation. "
+            "The outcome is kept for /metrics (orchestrator_invariant_violations).")
 
     def add_arguments(self, parser):
         parser.add_argument("--only", action="append", choices=sorted(CHECKS), help="run only these checks")
@@ -18,6 +20,9 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         violations = invariants_check(only=options["only"])
+        checked = options["only"] or sorted(CHECKS)
+        invariants_record(violations_by_check={check: sum(1 for v in violations if v.check == check)
+                                               for check in checked})
         if options["json"]:
             self.stdout.write(json.dumps({"ok": not violations,
                                           "violations": [{"check": v.check, "message": v.message}

@@ -1,0 +1,110 @@
+"""The jobs app's part of ``/metrics``: queue depth and wait by project and type, jobs executing,
+the aged background jobs, and the workers' liveness.
+
+``jobs_collect`` is registered in ``core.metrics.COLLECTORS`` (``JobsConfig.ready``); it reads the
+job and heartbeat tables at scrape time, so every process answers the same figures.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Iterator
+
+from django.conf import settings
+from django.db.models import Count, Min, Q
+from prometheus_client.core import GaugeMetricFamily
+
+from jobs.models import ACTIVE_JOB_STATES, WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
+
+# Waiting as the queue caps count it (every state before executing), and claimable (queued or
+# awaiting a tool: claimed once ``not_before`` has passed).
+WAITING_STATES = tuple(sorted(ACTIVE_JOB_STATES - {JobState.EXECUTING}))
+CLAIMABLE_STATES = tuple(sorted(WAITING_JOB_STATES))
+WORKERS_LISTED = 50
+
+
+def jobs_collect(now: datetime) -> Iterator:
+    yield from _queue_gauges(now)
+    yield from _workers(now)
+
+
+def _queue_gauges(now) -> Iterator:
+    aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
+    rows = (Job.objects.filter(state__in=[*WAITING_STATES, "executing"])
+            .values("project_id", "type").annotate(
+                waiting=Count("id", filter=Q(state__in=WAITING_STATES)),
+                executing=Count("id", filter=Q(state="executing")),
+                aged=Count("id", filter=Q(state__in=CLAIMABLE_STATES, priority_class="background",
+                                          queued_at__lte=aging)),
+                oldest_background=Min("queued_at", filter=Q(state__in=CLAIMABLE_STATES,
+                                                            priority_class="background")),
+                oldest_claimable=Min("queued_at", filter=Q(state__in=CLAIMABLE_STATES)),
+            ).order_by())
+    depth = 0
+    by_project: dict[int, int] = {}
+    by_type: dict[str, int] = {}
+    executing: dict[str, int] = {}
+    aged = 0
+    oldest = None
+    oldest_claimable = None
+    for row in rows:
+        depth += row["waiting"]
+        if row["waiting"]:
+            by_project[row["project_id"]] = by_project.get(row["project_id"], 0) + row["waiting"]
+            by_type[row["type"]] = by_type.get(row["type"], 0) + row["waiting"]
+        if row["executing"]:
+            executing[row["type"]] = executing.get(row["type"], 0) + row["executing"]
+        aged += row["aged"]
+        if row["oldest_background"] is not None and (oldest is None or row["oldest_background"] < oldest):
+            oldest = row["oldest_background"]
+        if row["oldest_claimable"] is not None and (oldest_claimable is None
+                                                    or row["oldest_claimable"] < oldest_claimable):
+            oldest_claimable = row["oldest_claimable"]
+    yield GaugeMetricFamily("orchestrator_queue_depth", "Jobs waiting in all projects (as the queue caps "
+                                                        "count them).", value=depth)
+    project_gauge = GaugeMetricFamily("orchestrator_project_queue_depth", "Jobs waiting, per project "
+                                                                          "(projects with waiting jobs).",
+                                      labels=("project",))
+    for project_id, count in sorted(by_project.items()):
+        project_gauge.add_metric([str(project_id)], count)
+    yield project_gauge
+    type_gauge = GaugeMetricFamily("orchestrator_queue_depth_by_type", "Jobs waiting, per type.",
+                                   labels=("type",))
+    for job_type, count in sorted(by_type.items()):
+        type_gauge.add_metric([job_type], count)
+    yield type_gauge
+    executing_gauge = GaugeMetricFamily("orchestrator_jobs_executing", "Jobs executing, per type.",
+                                        labels=("type",))
+    for job_type, count in sorted(executing.items()):
+        executing_gauge.add_metric([job_type], count)
+    yield executing_gauge
+    yield GaugeMetricFamily("orchestrator_queue_oldest_wait_seconds",
+                            "How long the oldest claimable job (queued or awaiting a tool) has waited "
+                            "since it was queued (0: none waits).",
+                            value=0.0 if oldest_claimable is None
+                            else max(0.0, (now - oldest_claimable).total_seconds()))
+    yield GaugeMetricFamily("orchestrator_background_aged_jobs",
+                            "Background jobs waiting longer than ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS.",
+                            value=aged)
+    yield GaugeMetricFamily("orchestrator_background_oldest_wait_seconds",
+                            "How long the oldest waiting background job has waited (0: none waits).",
+                            value=0.0 if oldest is None else max(0.0, (now - oldest).total_seconds()))
+
+
+def _workers(now) -> Iterator:
+    window = settings.ORCHESTRATOR_QUEUE_LEASE_S
+    alive_since = now - timedelta(seconds=window)
+    seen = WorkerHeartbeat.objects.aggregate(alive=Count("worker", filter=Q(last_seen__gte=alive_since)),
+                                             total=Count("worker"))
+    yield GaugeMetricFamily("orchestrator_workers_alive",
+                            "Worker processes with a heartbeat younger than ORCHESTRATOR_QUEUE_LEASE_S.",
+                            value=seen["alive"])
+    yield GaugeMetricFamily("orchestrator_workers_stale", "Worker processes seen before but not alive now.",
+                            value=seen["total"] - seen["alive"])
+    ages = GaugeMetricFamily("orchestrator_worker_heartbeat_age_seconds",
+                             f"Seconds since each of the {WORKERS_LISTED} most recently seen worker processes "
+                             f"sent a heartbeat.", labels=("worker", "cluster"))
+    for worker, cluster, last_seen in (WorkerHeartbeat.objects.order_by("-last_seen")
+                                       .values_list("worker", "cluster", "last_seen")[:WORKERS_LISTED]):
+        ages.add_metric([worker, cluster], max(0.0, (now - last_seen).total_seconds()))
+    yield ages
