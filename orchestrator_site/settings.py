@@ -310,6 +310,8 @@ if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_R
 # JSON bodies (plans, job payloads) longer than this answer 413 payload_too_large.
 ORCHESTRATOR_API_MAX_BODY_BYTES = env_int("ORCHESTRATOR_API_MAX_BODY_BYTES", 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHESTRATOR_API_MAX_BODY_BYTES, 2_621_440)
+# Arrays and objects nested deeper than this in a JSON body (or a WebSocket message) are refused.
+ORCHESTRATOR_JSON_MAX_DEPTH = env_int("ORCHESTRATOR_JSON_MAX_DEPTH", 32)
 ORCHESTRATOR_IDEMPOTENCY_TTL_S = env_int("ORCHESTRATOR_IDEMPOTENCY_TTL_S", 24 * 3600)
 ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S = env_int("ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S", 60)
 # Job types clients may enqueue through POST /api/v1/jobs/ (the run engine's own types are not).
