@@ -174,6 +174,12 @@ ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT
 ORCHESTRATOR_RUN_AUTO_RECOVER = env_bool("ORCHESTRATOR_RUN_AUTO_RECOVER", True)
 ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
+# The size of a plan (runs/plan.py): agents in it (not max_agents, the agents running at once),
+# tasks of one agent, steps of one task, steps in all. A plan over a cap is refused as a whole.
+ORCHESTRATOR_PLAN_MAX_AGENTS = env_int("ORCHESTRATOR_PLAN_MAX_AGENTS", 50)
+ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT = env_int("ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT", 200)
+ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK = env_int("ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK", 100)
+ORCHESTRATOR_PLAN_MAX_STEPS = env_int("ORCHESTRATOR_PLAN_MAX_STEPS", 5000)
 ORCHESTRATOR_HTTP_ALLOWED_HOSTS = env_list("ORCHESTRATOR_HTTP_ALLOWED_HOSTS", ["127.0.0.1", "localhost"])
 
 # --- Logs ----------------------------------------------------------------------------------------

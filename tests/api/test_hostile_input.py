@@ -156,3 +156,24 @@ def test_put_and_patch_with_a_hostile_body_stay_405(targets):
         for method in (tenant.client.put, tenant.client.patch):
             assert_error(method(path, "[" * 5_000 + "]" * 5_000, content_type="application/json"), 405,
                          "method_not_allowed")
+
+
+# --- plans -----------------------------------------------------------------------------------
+
+def test_a_plan_over_a_size_cap_is_400_naming_the_cap_and_creates_nothing(tenant):
+    response = tenant.client.post("/api/v1/runs/", tenant.run_body(plan=make_plan(steps=101)), format="json")
+    body = assert_error(response, 400, "validation_error")
+    assert body["errors"] == {"agents[0].tasks[0].steps": [
+        "at most 100 steps in a task (ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK); this one has 101"]}
+    response = tenant.client.post("/api/v1/runs/", tenant.run_body(plan=make_plan(agents=51)), format="json")
+    assert "ORCHESTRATOR_PLAN_MAX_AGENTS" in assert_error(response, 400, "validation_error")["errors"]["plan.agents"][0]
+    assert not Run.objects.exists()
+
+
+def test_a_credit_limit_below_one_try_of_each_step_is_400_naming_the_minimum(tenant):
+    plan = make_plan(tasks=2, steps=3)  # six echo steps, 1 credit a try
+    response = tenant.client.post("/api/v1/runs/", tenant.run_body(plan=plan, credit_limit=5), format="json")
+    body = assert_error(response, 400, "validation_error")
+    assert body["errors"] == {"credit_limit": ["at least 6: one try of each step of the plan costs 6 credits"]}
+    assert not Run.objects.exists()
+    assert create_run(tenant, plan=plan, credit_limit=6)["credit_limit"] == 6
