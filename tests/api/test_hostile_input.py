@@ -178,3 +178,18 @@ def test_a_credit_limit_below_one_try_of_each_step_is_400_naming_the_minimum(ten
     assert body["errors"] == {"credit_limit": ["at least 6: one try of each step of the plan costs 6 credits"]}
     assert not Run.objects.exists()
     assert create_run(tenant, plan=plan, credit_limit=6)["credit_limit"] == 6
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("ORCHESTRATOR_JSON_MAX_DEPTH", "0", "ORCHESTRATOR_JSON_MAX_DEPTH must be from 2 to 500"),
+    ("ORCHESTRATOR_PLAN_MAX_STEPS", "-1", "ORCHESTRATOR_PLAN_MAX_STEPS must be at least 1"),
+])
+def test_a_limit_that_would_refuse_everything_fails_at_start_up(variable, value, message):
+    import os
+    import subprocess
+    import sys
+
+    environment = {**os.environ, variable: value, "DJANGO_SETTINGS_MODULE": "orchestrator_site.settings"}
+    result = subprocess.run([sys.executable, "-c", "import django; django.setup()"], env=environment,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and message in result.stderr, result.stderr[-500:]
