@@ -116,15 +116,19 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs):
         """A message that is not JSON text the API would accept gets an error frame; the
-        connection stays open."""
+        connection stays open (an unauthenticated one is closed, as for any other message)."""
         if text_data is None:
-            return await self._error("bad_message", "messages are JSON text frames")
-        try:
-            content = json_loads_checked(text_data)
-        except JsonRefused as exc:
-            extra = {"max_depth": exc.max_depth} if exc.max_depth is not None else {}
-            return await self._error(exc.code, exc.detail, **extra)
-        return await self.receive_json(content, **kwargs)
+            await self._error("bad_message", "messages are JSON text frames")
+        else:
+            try:
+                content = json_loads_checked(text_data)
+            except JsonRefused as exc:
+                extra = {"max_depth": exc.max_depth} if exc.max_depth is not None else {}
+                await self._error(exc.code, exc.detail, **extra)
+            else:
+                return await self.receive_json(content, **kwargs)
+        if self.user is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
 
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict):

@@ -54,3 +54,16 @@ def test_every_hostile_message_gets_an_error_frame_and_the_connection_goes_on(or
         await communicator.disconnect()
 
     asyncio.run(scenario())
+
+
+def test_a_hostile_message_before_authentication_closes_the_socket_with_4401():
+    async def scenario():
+        communicator = WebsocketCommunicator(application, "/ws/events/", headers=[(b"origin", b"http://localhost")])
+        connected, _ = await communicator.connect()
+        assert connected
+        await communicator.send_to(text_data="[" * 5_000 + "]" * 5_000)
+        error = await communicator.receive_json_from(timeout=5)
+        assert (error["type"], error["code"]) == ("error", "json_too_deep")
+        assert (await communicator.receive_output(timeout=5)) == {"type": "websocket.close", "code": 4401}
+
+    asyncio.run(scenario())
