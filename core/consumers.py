@@ -11,7 +11,9 @@ Protocol (JSON messages):
   replayed from the database, then the stream goes live, in id order, without gaps or duplicates;
 - ``{"action": "unsubscribe", ...}`` with the same keys.
 Server messages: event envelopes (``{"id", "type", "ts", "organization", "project", "run", ...}``),
-``{"type": "subscribed", ...}``, ``{"type": "error", "code", "detail"}``.
+``{"type": "subscribed", ...}``, ``{"type": "error", "code", "detail"}``. A message that is not
+a JSON text frame the API would accept as a body (too deep: ``json_too_deep``; otherwise
+``invalid_json`` or ``bad_message``) gets an error frame and the connection stays open.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from channels.db import database_sync_to_async as sync_to_async
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 from django.conf import settings
 
+from core.api.parsers import JsonRefused, json_loads_checked
+from core.api.tenancy import MAX_ID
 from core.ratelimit import auth_failure_record, auth_failures_refusal, client_address, retry_after_text
 from core.relay import Relay, Subscriber, envelope, events_after
 from core.scopes import event_scope_organization
@@ -34,6 +38,10 @@ CLOSE_UNAUTHENTICATED = 4401
 CLOSE_RATE_LIMITED = 4429
 AUTH_TIMEOUT_S = 10
 SCOPES = ("run", "project", "organization")
+
+
+def _is_id(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and 1 <= value <= MAX_ID
 
 
 def _user_from_token(key: str):
@@ -108,6 +116,22 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
             if task is not None:
                 task.cancel()
 
+    async def receive(self, text_data=None, bytes_data=None, **kwargs):
+        """A message that is not JSON text the API would accept gets an error frame; the
+        connection stays open (an unauthenticated one is closed, as for any other message)."""
+        if text_data is None:
+            await self._error("bad_message", "messages are JSON text frames")
+        else:
+            try:
+                content = json_loads_checked(text_data)
+            except JsonRefused as exc:
+                extra = {"max_depth": exc.max_depth} if exc.max_depth is not None else {}
+                await self._error(exc.code, exc.detail, **extra)
+            else:
+                return await self.receive_json(content, **kwargs)
+        if self.user is None:
+            await self.close(code=CLOSE_UNAUTHENTICATED)
+
     async def receive_json(self, content, **kwargs):
         if not isinstance(content, dict):
             return await self._error("bad_message", "messages are JSON objects")
@@ -166,9 +190,11 @@ class EventConsumer(AsyncJsonWebsocketConsumer):
         if not again and len(self.subscriber.groups) >= settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS:
             return await self._error("too_many_subscriptions",
                                      f"at most {settings.ORCHESTRATOR_WS_MAX_SUBSCRIPTIONS} per connection")
+        if scope != "all" and not _is_id(object_id):
+            return await self._error("bad_message", f"{scope} must be an id from 1 to {MAX_ID}")
         after = content.get("after")
-        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
-            return await self._error("bad_message", "after must be an event id")
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or not 0 <= after <= MAX_ID):
+            return await self._error("bad_message", f"after must be an event id from 0 to {MAX_ID}")
         allowed, group, organization = await sync_to_async(_access)(self.user, scope, object_id)
         if not allowed:
             return await self._error("forbidden", f"no access to {scope} {object_id}", scope=scope)

@@ -222,6 +222,15 @@ ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT
 ORCHESTRATOR_RUN_AUTO_RECOVER = env_bool("ORCHESTRATOR_RUN_AUTO_RECOVER", True)
 ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
+# The size of a plan (runs/plan.py): agents in it (not max_agents, the agents running at once),
+# tasks of one agent, steps of one task, steps in all. A plan over a cap is refused as a whole.
+ORCHESTRATOR_PLAN_MAX_AGENTS = env_int("ORCHESTRATOR_PLAN_MAX_AGENTS", 50)
+ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT = env_int("ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT", 200)
+ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK = env_int("ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK", 100)
+ORCHESTRATOR_PLAN_MAX_STEPS = env_int("ORCHESTRATOR_PLAN_MAX_STEPS", 5000)
+for _cap in ("AGENTS", "TASKS_PER_AGENT", "STEPS_PER_TASK", "STEPS"):
+    if globals()[f"ORCHESTRATOR_PLAN_MAX_{_cap}"] < 1:
+        raise RuntimeError(f"ORCHESTRATOR_PLAN_MAX_{_cap} must be at least 1")
 # Outbound HTTP of the http_request tool and the http_ok check (runs/http_fetch.py): entries are
 # "host" (any port), "host:port", an IP address or "[v6]:port". Empty: no outbound call at all.
 # A loopback, private, link-local ... address is reached only when an IP entry names it.
@@ -402,6 +411,10 @@ if ORCHESTRATOR_RATE_LIMIT_STORE not in ("database", "redis") or (ORCHESTRATOR_R
 # JSON bodies (plans, job payloads) longer than this answer 413 payload_too_large.
 ORCHESTRATOR_API_MAX_BODY_BYTES = env_int("ORCHESTRATOR_API_MAX_BODY_BYTES", 1024 * 1024)
 DATA_UPLOAD_MAX_MEMORY_SIZE = max(ORCHESTRATOR_API_MAX_BODY_BYTES, 2_621_440)
+# Arrays and objects nested deeper than this in a JSON body (or a WebSocket message) are refused.
+ORCHESTRATOR_JSON_MAX_DEPTH = env_int("ORCHESTRATOR_JSON_MAX_DEPTH", 32)
+if not 2 <= ORCHESTRATOR_JSON_MAX_DEPTH <= 500:  # a body is an object (1) with values (2); past 500, recursion
+    raise RuntimeError(f"ORCHESTRATOR_JSON_MAX_DEPTH must be from 2 to 500, got {ORCHESTRATOR_JSON_MAX_DEPTH}")
 ORCHESTRATOR_IDEMPOTENCY_TTL_S = env_int("ORCHESTRATOR_IDEMPOTENCY_TTL_S", 24 * 3600)
 ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S = env_int("ORCHESTRATOR_IDEMPOTENCY_IN_FLIGHT_TIMEOUT_S", 60)
 # Job types clients may enqueue through POST /api/v1/jobs/ (the run engine's own types are not).

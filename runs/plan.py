@@ -5,6 +5,10 @@ Gated pipelines add to the plan: ``check`` steps (a registered check with its ar
 (``run_hard_cap_minutes``, ``phase_soft_cap_minutes`` by phase, ``default_phase_soft_cap_minutes``)
 and, on tasks (a pipeline's phases), ``soft_cap_minutes`` and ``idempotency_key``. In a gated
 plan, phase (task) names and gate names are unique across the whole plan.
+
+A plan's size is capped (``ORCHESTRATOR_PLAN_MAX_AGENTS``, ``..._MAX_TASKS_PER_AGENT``,
+``..._MAX_STEPS_PER_TASK``, ``..._MAX_STEPS``): a plan over a cap is refused before the rest of
+it is looked at, with an error naming the cap.
 """
 
 from __future__ import annotations
@@ -101,34 +105,71 @@ def _check_mode(node: dict, key: str, allowed: set[str], path: str, errors: dict
 
 
 def _dag_cycle(tasks: list[dict]) -> list[str] | None:
+    """A dependency cycle among ``tasks`` (``[a, b, a]``), or None. Iterative: a chain of thousands
+    of tasks must not exhaust Python's stack."""
     graph = {t["name"]: [d for d in t.get("depends_on") or [] if isinstance(d, str)]
              if isinstance(t.get("depends_on") or [], list) else []
              for t in tasks if isinstance(t.get("name"), str)}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for dep in graph.get(node, []):
-            if dep not in graph:
-                continue
-            if state.get(dep) == 1:
-                return stack[stack.index(dep):] + [dep]
-            if state.get(dep) is None:
-                found = visit(dep)
-                if found:
-                    return found
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for name in graph:
-        if state.get(name) is None:
-            found = visit(name)
-            if found:
-                return found
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in graph:
+        if root in state:
+            continue
+        state[root] = 1
+        path = [root]
+        pending = [iter(graph[root])]
+        while pending:
+            for dep in pending[-1]:
+                if dep not in graph:
+                    continue
+                if state.get(dep) == 1:
+                    return path[path.index(dep):] + [dep]
+                if dep not in state:
+                    state[dep] = 1
+                    path.append(dep)
+                    pending.append(iter(graph[dep]))
+                    break
+            else:
+                state[path.pop()] = 2
+                pending.pop()
     return None
+
+
+def _size_errors(plan: dict) -> dict[str, list[str]]:
+    """The plan's size against the caps (``ORCHESTRATOR_PLAN_MAX_*``), counted before anything else."""
+    errors: dict[str, list[str]] = {}
+    agents = plan.get("agents")
+    if not isinstance(agents, list):
+        return errors
+    max_agents = settings.ORCHESTRATOR_PLAN_MAX_AGENTS
+    max_tasks = settings.ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT
+    max_steps_per_task = settings.ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK
+    max_steps = settings.ORCHESTRATOR_PLAN_MAX_STEPS
+    if len(agents) > max_agents:
+        errors["plan.agents"] = [f"at most {max_agents} agents in a plan (ORCHESTRATOR_PLAN_MAX_AGENTS); "
+                                 f"this one has {len(agents)}"]
+        return errors  # the rest is not worth counting
+    total = 0
+    for a_index, agent in enumerate(agents):
+        tasks = agent.get("tasks") if isinstance(agent, dict) else None
+        if not isinstance(tasks, list):
+            continue
+        if len(tasks) > max_tasks:
+            errors[f"agents[{a_index}].tasks"] = [f"at most {max_tasks} tasks in an agent "
+                                                  f"(ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT); this one has {len(tasks)}"]
+            continue
+        for t_index, task in enumerate(tasks):
+            steps = task.get("steps") if isinstance(task, dict) else None
+            if not isinstance(steps, list):
+                continue
+            total += len(steps)
+            if len(steps) > max_steps_per_task:
+                errors[f"agents[{a_index}].tasks[{t_index}].steps"] = [
+                    f"at most {max_steps_per_task} steps in a task (ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK); "
+                    f"this one has {len(steps)}"]
+    if total > max_steps:
+        errors["plan.agents"] = [f"at most {max_steps} steps in a plan (ORCHESTRATOR_PLAN_MAX_STEPS); "
+                                 f"this one has {total}"]
+    return errors
 
 
 def plan_validate(plan: Any) -> dict:
@@ -140,6 +181,9 @@ def plan_validate(plan: Any) -> dict:
 
     if not isinstance(plan, dict):
         raise ValidationFailed("invalid plan", errors={"plan": ["must be a JSON object"]})
+    too_large = _size_errors(plan)
+    if too_large:
+        raise ValidationFailed("plan too large", errors=too_large)
     max_agents = plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS)
     if isinstance(max_agents, bool) or not isinstance(max_agents, int) or not 1 <= max_agents <= 100:
         add("plan.max_agents", "must be a whole number from 1 to 100")
@@ -292,7 +336,8 @@ def plan_validate(plan: Any) -> dict:
 
 
 def plan_cost_estimate(plan: dict, *, tries_per_step: int = 3) -> int:
-    """Credits a plan may consume if every step uses all its tries (the default credit limit)."""
+    """Credits a plan may consume if every step uses all its tries (the default credit limit);
+    with ``tries_per_step=1``, what one try of each step costs (the least credit limit)."""
     total = 0
     for agent in plan.get("agents", []):
         for task in agent.get("tasks", []):

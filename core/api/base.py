@@ -13,14 +13,25 @@ from core.errors import NotFound
 ID_PATTERN = "[0-9]{1,18}"
 
 
-class ApiView(RateLimitedViewMixin, IdempotentViewMixin, APIView):
+class BodyCheckedMixin:
+    """A body is parsed (and a malformed one refused) before the handler, also by the endpoints
+    that do not read it: the same rules hold for every POST, PUT and PATCH."""
+
+    def initial(self, request, *args, **kwargs):
+        super().initial(request, *args, **kwargs)
+        method = request.method.lower()
+        if method in ("post", "put", "patch") and method in self.http_method_names and hasattr(self, method):
+            request.data  # noqa: B018 - parsing is the point (a method not allowed stays a 405)
+
+
+class ApiView(BodyCheckedMixin, RateLimitedViewMixin, IdempotentViewMixin, APIView):
     """A plain API view. POSTs name their organization with ``idempotency_organization_id``."""
 
     def idempotency_organization_id(self, request) -> int | None:
         return None
 
 
-class ApiViewSet(RateLimitedViewMixin, IdempotentViewMixin, viewsets.GenericViewSet):
+class ApiViewSet(BodyCheckedMixin, RateLimitedViewMixin, IdempotentViewMixin, viewsets.GenericViewSet):
     """A view set over objects of the caller's organizations.
 
     ``queryset`` is narrowed to the caller's organizations (through ``organization_field``);

@@ -5,21 +5,25 @@ Django's exceptions are mapped here once: validation → ``400 validation_error`
 ``errors`` keyed by field path, authentication → ``401``, permission and CSRF → ``403
 permission_denied``, not found → ``404 not_found``, rate limits → ``429 rate_limited``, a body
 over the size limit (ours, or Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE``) → ``413
-payload_too_large``. Anything else is a bug and stays a 500.
+payload_too_large``, a body nested too deeply → ``400 json_too_deep`` (``max_depth``), too many query
+parameters (Django's ``DATA_UPLOAD_MAX_NUMBER_FIELDS``) → ``400 validation_error``. Anything
+else is a bug and stays a 500.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
-from django.core.exceptions import RequestDataTooBig
+from django.core.exceptions import RequestDataTooBig, TooManyFieldsSent
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
+from core.api.parsers import JsonTooDeep
 from core.errors import DomainError, QueueFull
 
 # DRF's default codes renamed to ours.
@@ -72,6 +76,11 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
         if isinstance(exc, QueueFull) and exc.extra.get("retry_after") is not None:
             headers["Retry-After"] = str(int(exc.extra["retry_after"]))
         return Response(exc.as_dict(), status=exc.status, headers=headers)
+    if isinstance(exc, TooManyFieldsSent):
+        logging.getLogger("django.security.TooManyFieldsSent").warning("%s", exc)
+        return error_response("validation_error", "too many parameters", status.HTTP_400_BAD_REQUEST,
+                              errors={"query": [f"at most {settings.DATA_UPLOAD_MAX_NUMBER_FIELDS} parameters "
+                                                "(DATA_UPLOAD_MAX_NUMBER_FIELDS)"]})
     if isinstance(exc, RequestDataTooBig):
         from core.api.parsers import body_limit_exceeded
 
@@ -92,6 +101,9 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     if isinstance(exc, exceptions.ValidationError):
         return error_response("validation_error", "invalid request", status.HTTP_400_BAD_REQUEST,
                               errors=flatten_errors(exc.detail))
+    if isinstance(exc, JsonTooDeep):
+        return error_response("json_too_deep", str(exc.detail), status.HTTP_400_BAD_REQUEST,
+                              max_depth=settings.ORCHESTRATOR_JSON_MAX_DEPTH)
     if isinstance(exc, exceptions.ParseError):
         return error_response("validation_error", "malformed request body", status.HTTP_400_BAD_REQUEST,
                               errors={"body": [str(exc.detail)]})

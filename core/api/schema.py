@@ -19,6 +19,7 @@ from core.api.idempotency import HEADER, KEY_MAX_LENGTH, REPLAY_HEADER
 # Every code the API answers with, and its HTTP status.
 ERROR_CODES: dict[str, tuple[int, str]] = {
     "validation_error": (400, "the request is invalid; `errors` maps each field path to messages"),
+    "json_too_deep": (400, "the JSON body is nested deeper than `ORCHESTRATOR_JSON_MAX_DEPTH` (`max_depth`)"),
     "not_authenticated": (401, "no credentials were given"),
     "authentication_failed": (401, "the credentials are wrong"),
     "insufficient_credits": (402, "the organization has not enough available credits"),
@@ -90,7 +91,7 @@ class AutoSchema(openapi.AutoSchema):
         if not self._is_public():
             common += ["not_authenticated", "authentication_failed", "permission_denied", "rate_limited"]
         if self.method == "POST":
-            common += ["validation_error", "payload_too_large", "idempotency_key_in_use", "idempotency_key_reused"]
+            common += ["validation_error", "json_too_deep", "payload_too_large", "idempotency_key_in_use", "idempotency_key_reused"]
         for status, response in errors(*common).items():
             code = str(status)
             if code not in bodies:

@@ -56,7 +56,8 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
                credit_limit: int | None = None, actor=None, reason: str = "", mode: str = "live") -> Run:
     """Create a run in ``created`` after validating the plan and the organization's credits.
 
-    ``credit_limit`` (credits reserved per attempt) defaults to the plan's worst-case cost.
+    ``credit_limit`` (credits reserved per attempt) defaults to the plan's worst-case cost; a
+    live run's may not be less than one try of each step costs.
     ``mode`` ``dryrun`` runs the checks and gates but executes no tool step (nothing is charged).
     Nothing is written when the input is invalid or the credits are not available.
     """
@@ -80,6 +81,10 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
         plan_validate(plan)
     except ValidationFailed as exc:
         errors.update(exc.errors)
+    else:
+        least = plan_cost_estimate(plan, tries_per_step=1) if mode != "dryrun" else 1
+        if "credit_limit" not in errors and credit_limit is not None and credit_limit < least:
+            errors["credit_limit"] = [f"at least {least}: one try of each step of the plan costs {least} credits"]
     if errors:
         raise ValidationFailed("invalid run", errors=errors)
     limit = credit_limit if credit_limit is not None else plan_cost_estimate(plan)

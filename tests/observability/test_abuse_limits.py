@@ -305,7 +305,7 @@ def test_a_body_without_a_declared_length_is_limited_too(tenant, settings):
 def test_json_nested_too_deeply_is_400_not_500(tenant):
     body = "[" * 100_000 + "]" * 100_000
     assert_error(tenant.client.post("/api/v1/runs/", body, content_type="application/json"), 400,
-                 "validation_error")
+                 "json_too_deep")
 
 
 # --- WebSocket subscriptions --------------------------------------------------------------------

@@ -239,3 +239,80 @@ def test_run_create_refuses_a_non_object_plan(project):
         services.run_create(project=project, name="list plan", plan=[make_plan()])
     assert raised.value.errors == {"plan": ["must be a JSON object"]}
     assert not Run.objects.exists()
+
+
+# --- size caps and the cost of one try ----------------------------------------------------------
+
+def chain_plan(length: int) -> dict:
+    """One agent whose tasks form a chain: t1 depends on t0, t2 on t1, ..."""
+    plan = make_plan(tasks=length, parallelism_mode="dag")
+    for index, task in enumerate(plan["agents"][0]["tasks"][1:], start=1):
+        task["depends_on"] = [f"t{index - 1}"]
+    return plan
+
+
+def test_a_dependency_chain_of_5000_tasks_is_checked_without_recursion(settings):
+    settings.ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT = 5000
+    plan = chain_plan(5000)
+    assert plan_validate(plan) is plan
+    plan["agents"][0]["tasks"][0]["depends_on"] = ["t4999"]  # closes the chain into a cycle
+    cycle = errors_of(plan)["agents[0].tasks"][0]
+    assert cycle.startswith("dependency cycle: t0 -> t4999 -> t4998 -> ")
+    assert cycle.endswith(" -> t1 -> t0") and cycle.count(" -> ") == 5000
+
+
+def test_a_chain_at_the_default_cap_is_valid():
+    plan = chain_plan(200)
+    assert plan_validate(plan) is plan
+
+
+@pytest.mark.parametrize("plan, path, message", [
+    (make_plan(agents=51), "plan.agents",
+     "at most 50 agents in a plan (ORCHESTRATOR_PLAN_MAX_AGENTS); this one has 51"),
+    (make_plan(tasks=201), "agents[0].tasks",
+     "at most 200 tasks in an agent (ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT); this one has 201"),
+    (make_plan(steps=101), "agents[0].tasks[0].steps",
+     "at most 100 steps in a task (ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK); this one has 101"),
+    (make_plan(agents=26, tasks=2, steps=97), "plan.agents",
+     "at most 5000 steps in a plan (ORCHESTRATOR_PLAN_MAX_STEPS); this one has 5044"),
+], ids=["agents", "tasks_per_agent", "steps_per_task", "steps"])
+def test_a_plan_over_a_size_cap_is_refused_naming_the_cap_and_writes_nothing(project, plan, path, message):
+    assert path in errors_of(plan)
+    before = _counts()
+    with pytest.raises(ValidationFailed) as raised:
+        services.run_create(project=project, name="too large", plan=plan)
+    assert raised.value.errors == {path: [message]}
+    assert _counts() == before
+
+
+def test_the_size_caps_come_from_the_settings(settings, project):
+    settings.ORCHESTRATOR_PLAN_MAX_AGENTS = 2
+    settings.ORCHESTRATOR_PLAN_MAX_TASKS_PER_AGENT = 2
+    settings.ORCHESTRATOR_PLAN_MAX_STEPS_PER_TASK = 2
+    settings.ORCHESTRATOR_PLAN_MAX_STEPS = 7
+    assert plan_validate(make_plan(agents=2, tasks=2, steps=1))
+    assert list(errors_of(make_plan(agents=3))) == ["plan.agents"]
+    assert list(errors_of(make_plan(tasks=3))) == ["agents[0].tasks"]
+    assert list(errors_of(make_plan(steps=3))) == ["agents[0].tasks[0].steps"]
+    assert errors_of(make_plan(agents=2, tasks=2, steps=2)) == {
+        "plan.agents": ["at most 7 steps in a plan (ORCHESTRATOR_PLAN_MAX_STEPS); this one has 8"]}
+    settings.ORCHESTRATOR_PLAN_MAX_STEPS = 8
+    assert services.run_create(project=project, name="at the caps", plan=make_plan(agents=2, tasks=2, steps=2))
+
+
+def test_a_credit_limit_below_one_try_of_each_step_is_refused_naming_the_minimum(project):
+    plan = copy.deepcopy(DESIGN_PLAN)  # echo 1 + sleep 1 + fail 1; the approval costs nothing
+    plan["agents"][0]["tasks"][1]["steps"].append({"name": "call", "tool": "http_request",
+                                                   "args": {"url": "http://127.0.0.1/", "method": "GET"}})
+    assert plan_cost_estimate(plan, tries_per_step=1) == 5
+    before = _counts()
+    with pytest.raises(ValidationFailed) as raised:
+        services.run_create(project=project, name="too tight", plan=copy.deepcopy(plan), credit_limit=4)
+    assert raised.value.errors == {
+        "credit_limit": ["at least 5: one try of each step of the plan costs 5 credits"]}
+    assert _counts() == before
+    run = services.run_create(project=project, name="just enough", plan=copy.deepcopy(plan), credit_limit=5)
+    assert run.credit_limit == 5
+    # A dry run charges nothing: any limit will do.
+    assert services.run_create(project=project, name="dry", plan=copy.deepcopy(plan), credit_limit=1,
+                               mode="dryrun").credit_limit == 1

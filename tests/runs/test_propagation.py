@@ -735,9 +735,13 @@ def test_a_repeated_result_is_recorded_once(project):
     assert_invariants()
 
 
-def test_a_charge_past_the_credit_limit_fails_the_step_without_retry(project):
-    run = running_run(project, plan(agent("a0", task("t0", echo("s0"), echo("s1"), failure_mode="fail-fast"))),
-                      credit_limit=1)
+def test_a_charge_past_the_credit_limit_fails_the_step_without_retry(project, clock):
+    # The limit covers one try of each step (the least run_create accepts); s0's retry uses it up.
+    run = running_run(project, plan(agent("a0", task("t0", drill("s0", mode="retryable"), echo("s1"),
+                                                     failure_mode="fail-fast"))), credit_limit=2)
+    retry = fail(begin(run.pk, "a0/t0/s0"), retryable=True, code="drill_retryable")
+    assert retry.decision == "retry"
+    clock.advance(milliseconds=retry.delay_ms)
     run_step(run.pk, "a0/t0/s0")
     outcome = succeed(begin(run.pk, "a0/t0/s1"))
 
@@ -749,15 +753,18 @@ def test_a_charge_past_the_credit_limit_fails_the_step_without_retry(project):
     assert (attempt.outcome, attempt.retryable, attempt.cost) == ("failed", False, 0)
     run = fresh(run.pk)
     assert (run.status, run.last_error_code) == (Run.Status.FAILED, "credit_limit_exceeded")
-    assert (run.credits_reserved, run.credits_charged, run.credits_refunded) == (1, 1, 0)
+    assert (run.credits_reserved, run.credits_charged, run.credits_refunded) == (2, 2, 0)
     assert_settled(run)
     assert_invariants()
 
 
-def test_a_retryable_failure_past_the_credit_limit_is_not_retried(project):
+def test_a_retryable_failure_past_the_credit_limit_is_not_retried(project, clock):
     run = running_run(project, plan(agent("a0", task("t0", echo("s0"), drill("s1", mode="retryable")))),
-                      credit_limit=1)
+                      credit_limit=2)
     run_step(run.pk, "a0/t0/s0")
+    first = fail(begin(run.pk, "a0/t0/s1"), retryable=True, code="drill_retryable")
+    assert first.decision == "retry"  # its cost fits: one try of each step
+    clock.advance(milliseconds=first.delay_ms)
     outcome = fail(begin(run.pk, "a0/t0/s1"), retryable=True, code="drill_retryable")
     assert (outcome.decision, outcome.error_code) == ("failed", "credit_limit_exceeded")
     assert node(run.pk, "a0/t0/s1").not_before is None
