@@ -13,7 +13,7 @@ import json
 import pytest
 
 from jobs.models import Job
-from runs import escalations
+from runs.services import escalations
 from runs.models import Run
 from tests.api.conftest import assert_error, create_run
 from tests.conftest import make_plan
