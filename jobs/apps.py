@@ -28,6 +28,9 @@ class JobsConfig(AppConfig):
         cluster_queue.install()  # a worker killed while idle must not freeze its cluster
 
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
+        from jobs import runbooks
+
+        runbooks.runbooks_register()
         from jobs.worker import ensure_started
 
         def start_heartbeat(sender, proc_name, **kwargs):
