@@ -145,3 +145,15 @@ def test_a_permission_of_another_app_needs_its_model(monkeypatch):
     runbook_register(_probe(permission="billing.probe_run"))
     with pytest.raises(ImproperlyConfigured, match="set permission_model"):
         emit_post_migrate_signal(verbosity=0, interactive=False, db="default")
+
+
+def test_a_runbook_of_another_model_is_no_action_or_button_here(operator_client, run_in, job_in):
+    run, job = run_in("running"), job_in("executing")
+    assert "requeue" not in action_choices(operator_client)
+    assert operator_client.get(reverse("admin:runs_run_runbook", args=[run.pk, "requeue"])).status_code == 403
+    assert operator_client.get(reverse("admin:jobs_job_runbook", args=[job.pk, "force_fail"])).status_code == 403
+    assert operator_client.get(reverse("admin:runs_run_runbook", args=[run.pk, "no_such"])).status_code == 403
+    response = operator_client.post(reverse("admin:runs_run_changelist"),
+                                    {"action": "requeue", "_selected_action": [run.pk], "index": "0"}, follow=True)
+    assert [message.message for message in response.context["messages"]] == ["No action selected."]
+    assert Run.objects.get(pk=run.pk).status == "running" and Job.objects.get(pk=job.pk).state == "executing"
