@@ -194,7 +194,8 @@ class RunbookAdminMixin:
         for name, runbook in self.runbooks.items():
             if name not in actions or not runbook.button_shows_on(obj):
                 continue
-            plan = runbook_plan(runbook, obj, runbook.form(initial=self.runbook_initial(runbook, [obj])).runbook_options())
+            options = runbook.form(initial=self.runbook_initial(runbook, [obj])).runbook_options()
+            plan = runbook_plan(runbook, obj, options)
             if not plan.applies:
                 continue
             buttons.append({"name": name, "title": runbook.title, "change": plan.change,

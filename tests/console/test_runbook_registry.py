@@ -126,7 +126,8 @@ def test_the_operators_group_is_made_again_when_it_is_missing(monkeypatch):
 @pytest.mark.parametrize("changes, message", [
     ({"command": "cancel_run", "name": "probe"}, "command 'cancel_run' belongs to runbook runs.run.cancel"),
     ({"name": "cancel", "command": "probe_run"}, "runbook runs.run.cancel is registered twice"),
-    ({"permission": "runs.cancel_run", "permission_label": "Can cancel"}, "permission 'runs.cancel_run' has two labels"),
+    ({"permission": "runs.cancel_run", "permission_label": "Can cancel"},
+     "permission 'runs.cancel_run' has two labels"),
     ({"model": None}, "needs a model, a command and a permission label"),
     ({"command": ""}, "needs a model, a command and a permission label"),
 ])
