@@ -42,8 +42,8 @@ class CreditAccount(models.Model):
             models.CheckConstraint(condition=models.Q(balance__gte=models.F("reserved")),
                                    name="account_available_not_negative"),
         ]
-        permissions = [("refund_run", "Can refund credits of a run"),
-                       ("topup_credits", "Can add credits to an organization")]
+        # refund_run is declared by the refund runbook (runs.runbooks)
+        permissions = [("topup_credits", "Can add credits to an organization")]
 
     def __str__(self) -> str:
         return f"{self.organization.name}: {self.balance} ({self.reserved} reserved)"

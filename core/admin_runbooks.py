@@ -1,23 +1,25 @@
-"""What every runbook admin shares: confirmation, permission, per-object report, list filters.
+"""What every runbook admin shares: actions, confirmation, permission, per-object report, list filters.
 
-A runbook action (``@admin.action(permissions=[...])``) shows an intermediate page listing the
-selected objects with the state change and the credits at stake and asks for a reason (and
-the action's own fields); once confirmed it applies the runbook object by object through
+``RunbookAdminMixin`` offers every runbook registered for the admin's model (``core.runbooks``)
+as an action on the list: it shows an intermediate page listing the selected objects with the
+state change and the credits at stake and asks for a reason (and the runbook's own form
+fields); once confirmed it applies the runbook object by object through
 ``core.runbooks.runbook_execute`` (the services write our audit records), writes Django's
 admin ``LogEntry`` for each object changed and reports per object what happened. The same
-action is offered as a button on the object's page (``<id>/runbook/<action>/``).
+action is offered as a button on the object's page (``<id>/runbook/<action>/``) where the
+runbook says it shows and its plan applies.
 
 Our model admins are read-only (no change permission), so an action requires the view
-permission plus its own specific permission (``has_<action>_permission``).
+permission plus the runbook's own permission.
 """
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
+from django.contrib.admin.options import IS_POPUP_VAR
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count
@@ -26,7 +28,18 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 
-from core.runbooks import DONE, REFUSED, SKIPPED, Runbook, runbook_execute, runbook_plan
+from core.runbooks import (
+    DONE,
+    REFUSED,
+    SKIPPED,
+    Runbook,
+    RunbookForm,
+    runbook_execute,
+    runbook_plan,
+    runbooks_for,
+)
+
+__all__ = ["RunbookAdminMixin", "RunbookForm", "recent_filter", "top_values_filter"]
 
 # More than this: use the management command. The confirmation posts one field per object, and
 # Django refuses more than DATA_UPLOAD_MAX_NUMBER_FIELDS (1,000) fields in a request.
@@ -35,49 +48,41 @@ REPORT_PER_OBJECT = 25  # past this many objects, the rest is summed up per resu
 CONFIRM_FIELD = "runbook_confirm"
 
 
-def operator_permission(permission: str):
-    """``has_<action>_permission``: the view permission plus ``permission`` (``app.codename``)."""
+def runbook_action(runbook: Runbook):
+    """The admin action of ``runbook``: ``(modeladmin, request, queryset)`` → confirm, then apply and report."""
 
-    def check(self, request, obj=None):
-        return self.has_view_permission(request, obj) and request.user.has_perm(permission)
+    def action(modeladmin, request, queryset):
+        return modeladmin.runbook_respond(request, queryset, runbook)
 
-    check.__doc__ = f"View permission plus ``{permission}``."
-    return check
-
-
-class RunbookForm(forms.Form):
-    """The reason every runbook asks for; subclasses add the action's own fields."""
-
-    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 80}), max_length=2000,
-                             error_messages={"required": "A reason is required."},
-                             help_text="Why you do this. Recorded in the audit trail with your name.")
-
-    def clean_reason(self):
-        reason = (self.cleaned_data.get("reason") or "").strip()
-        if not reason:
-            raise forms.ValidationError("A reason is required.")
-        return reason
-
-    def runbook_options(self) -> dict:
-        """The options for the runbook: every cleaned field except the reason."""
-        if self.is_bound:
-            data = getattr(self, "cleaned_data", None) or {}
-        else:
-            data = {name: self.get_initial_for_field(field, name) for name, field in self.fields.items()}
-        return {name: value for name, value in data.items() if name != "reason"}
+    action.__name__ = runbook.name
+    action.short_description = runbook.admin_action_label
+    return action
 
 
 class RunbookAdminMixin:
-    """Confirmation pages, change-page buttons and per-object reports for runbook actions.
-
-    Subclasses list their runbooks in ``runbooks`` (action name → ``Runbook``, the name being
-    the admin action's name) and their extra forms in ``runbook_forms``.
-    """
+    """The registered runbooks of the admin's model as actions, with their confirmation pages,
+    change-page buttons and per-object reports."""
 
     change_form_template = "admin/runbook_change_form.html"
     runbook_confirm_template = "admin/runbook_confirm.html"
-    runbooks: dict[str, Runbook] = {}
-    runbook_forms: dict[str, type[RunbookForm]] = {}
+
+    @property
+    def runbooks(self) -> dict[str, Runbook]:
+        """Action name → runbook, read from the registry (apps register theirs once they are ready)."""
+        return {runbook.name: runbook for runbook in runbooks_for(self.model)}
+
+    def has_runbook_permission(self, request, runbook: Runbook, obj=None) -> bool:
+        """The view permission plus the runbook's own."""
+        return self.has_view_permission(request, obj) and request.user.has_perm(runbook.permission)
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        if self.actions is None or IS_POPUP_VAR in request.GET:
+            return actions
+        for name, runbook in self.runbooks.items():
+            if self.has_runbook_permission(request, runbook):
+                actions[name] = (runbook_action(runbook), name, runbook.admin_action_label)
+        return actions
 
     # --- the action ------------------------------------------------------------------------
     def runbook_respond(self, request, queryset, runbook: Runbook):
@@ -87,7 +92,7 @@ class RunbookAdminMixin:
             self.message_user(request, f"{runbook.title}: select at most {RUNBOOK_MAX_OBJECTS} objects here; "
                                        "use the management command for more. Nothing was changed.", messages.ERROR)
             return None
-        form_class = self.runbook_forms.get(runbook.name, RunbookForm)
+        form_class = runbook.form
         if request.method == "POST" and request.POST.get(CONFIRM_FIELD) == runbook.name:
             form = form_class(request.POST)
             if form.is_valid():
@@ -99,8 +104,8 @@ class RunbookAdminMixin:
         return self.runbook_confirm_page(request, runbook, objects, form)
 
     def runbook_initial(self, runbook: Runbook, objects: list) -> dict:
-        """Initial values of the confirmation form's extra fields (override per admin)."""
-        return {}
+        """Initial values of the confirmation form's extra fields (the runbook's ``initial``)."""
+        return runbook.initial(objects) if runbook.initial else {}
 
     def runbook_apply(self, request, runbook: Runbook, objects: list, *, reason: str, options: dict) -> list:
         outcomes = runbook_execute(runbook, objects, actor=request.user, reason=reason, options=options)
@@ -187,10 +192,10 @@ class RunbookAdminMixin:
         opts = self.model._meta
         buttons = []
         for name, runbook in self.runbooks.items():
-            if name not in actions:
+            if name not in actions or not runbook.button_shows_on(obj):
                 continue
-            plan = runbook_plan(runbook, obj, self.runbook_forms.get(name, RunbookForm)(
-                initial=self.runbook_initial(runbook, [obj])).runbook_options())
+            options = runbook.form(initial=self.runbook_initial(runbook, [obj])).runbook_options()
+            plan = runbook_plan(runbook, obj, options)
             if not plan.applies:
                 continue
             buttons.append({"name": name, "title": runbook.title, "change": plan.change,

@@ -20,6 +20,7 @@ from django.conf import settings
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from core.runbooks import runbook_get
 from runs.models import (
     MAX_RETRIES_PER_LEVEL,
     Agent,
@@ -73,22 +74,13 @@ ERROR_PREFIXES: list[tuple[str, tuple[str, str]]] = [
 ]
 RUN_TIMEOUT_SUFFIX = "_timeout"
 
-# Runbook actions (seed 001 §9) and how an operator takes them.
-RUNBOOKS: dict[str, dict[str, str]] = {
-    "retry": {"title": "Retry", "command": "python manage.py retry_run {run} --reason \"...\""},
-    "recover": {"title": "Recover stuck runs",
-                "command": "python manage.py recover_stuck_runs --reason \"...\""},
-    "force_fail": {"title": "Force fail", "command": "python manage.py force_fail_run {run} --reason \"...\""},
-    "refund": {"title": "Refund credits",
-               "command": "python manage.py refund_run {run} --amount {amount} --reason \"...\""},
-    "escalate": {"title": "Escalate", "command": "python manage.py escalate_run {run} --reason \"...\""},
-    "approve_gate": {"title": "Approve a gate",
-                     "command": "python manage.py approve_gate {run} --gate {gate} --ref REF --reason \"...\""},
-    "resume": {"title": "Resume", "command": "python manage.py resume_run {run} --reason \"...\""},
+# Runbook actions (seed 001 §9) an explanation or a suggestion may name: the registered runbook of
+# that name on runs (or on escalation tickets); its title, command and admin button come from it.
+RUNBOOK_MODELS = {"acknowledge": EscalationTicket}
+# Advice that is not a runbook on a run or a ticket.
+ADVICE: dict[str, dict[str, str]] = {
     "topup": {"title": "Top up credits",
               "command": "python manage.py topup_credits {organization} --amount {amount} --reason \"...\""},
-    "start": {"title": "Start", "command": "POST /api/v1/runs/{run}/start/"},
-    "acknowledge": {"title": "Acknowledge", "command": "admin: escalation {ticket} → Acknowledge"},
     "wait": {"title": "Wait", "command": ""},
     "none": {"title": "Nothing to do", "command": ""},
 }
@@ -119,12 +111,19 @@ def error_class(code: str, retryable: bool | None = None) -> dict[str, Any]:
 
 
 def runbook(action: str, why: str, **values: Any) -> dict[str, str]:
-    entry = RUNBOOKS[action]
-    command = entry["command"]
-    if command:
-        command = command.format(**{"run": "", "amount": "N", "gate": "GATE", "organization": "ORG",
-                                    "ticket": "", **values})
-    return {"action": action, "title": entry["title"], "why": why, "command": command}
+    """What to do and how: ``{"action", "title", "why", "command"}``, and ``"admin"`` (the button's
+    page) when the object is known."""
+    values = {"run": "", "amount": "N", "gate": "GATE", "organization": "ORG", "ticket": "", **values}
+    advice = ADVICE.get(action)
+    if advice is not None:
+        command = advice["command"].format(**values) if advice["command"] else ""
+        return {"action": action, "title": advice["title"], "why": why, "command": command}
+    book = runbook_get(RUNBOOK_MODELS.get(action, Run), action)
+    target = values["ticket"] if book.model is EscalationTicket else values["run"]
+    entry = {"action": action, "title": book.title, "why": why, "command": book.command_line(target, **values)}
+    if target != "":
+        entry["admin"] = book.admin_url(target)
+    return entry
 
 
 def _ms(delta: timedelta | None) -> int | None:

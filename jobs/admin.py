@@ -1,6 +1,6 @@
 """Admin for the job queue, the command boundary and worker sessions (read-only: these rows
 change only through ``jobs.services``, ``jobs.commands`` and ``jobs.sessions``). Stuck jobs
-are requeued, failed or cancelled by runbook actions (``jobs.runbooks``)."""
+are requeued, failed or cancelled by the runbook actions ``jobs.runbooks`` registers."""
 
 from datetime import timedelta
 
@@ -12,8 +12,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
-from core.admin_runbooks import RunbookAdminMixin, operator_permission, recent_filter
-from jobs import runbooks
+from core.admin_runbooks import RunbookAdminMixin, recent_filter
 from jobs.models import (
     WAITING_JOB_STATES,
     AdapterCall,
@@ -151,9 +150,6 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "lane", "dedupe_key", "=run_id", "worker")
     show_full_result_count = False
-    actions = ["requeue", "fail", "cancel"]
-    runbooks = {"requeue": runbooks.JOB_REQUEUE, "fail": runbooks.JOB_FAIL, "cancel": runbooks.JOB_CANCEL}
-
     readonly_fields = ("wait_explanation",)
 
     def get_fieldsets(self, request, obj=None):
@@ -167,10 +163,6 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     def wait_explanation(self, job):
         return wait_explanation_html(jobs_wait_explain([job])[job.pk])
 
-    has_requeue_permission = operator_permission("jobs.requeue_job")
-    has_fail_permission = operator_permission("jobs.fail_job")
-    has_cancel_permission = operator_permission("jobs.cancel_job")
-
     @admin.display(description="state", ordering="state")
     def live_state(self, job):
         return format_html('<span class="status-badge" data-live="job-state" data-job="{}" data-value="{}">{}</span>',
@@ -183,18 +175,6 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
             return "—"
         since = job.started_at if job.state == JobState.EXECUTING else (job.queued_at or job.created_at)
         return f"{int((timezone.now() - since).total_seconds())} s" if since else "—"
-
-    @admin.action(description="Requeue selected stuck jobs…", permissions=["requeue"])
-    def requeue(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.JOB_REQUEUE)
-
-    @admin.action(description="Fail selected jobs…", permissions=["fail"])
-    def fail(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.JOB_FAIL)
-
-    @admin.action(description="Cancel selected jobs…", permissions=["cancel"])
-    def cancel(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.JOB_CANCEL)
 
 
 @admin.register(JobLane)

@@ -29,10 +29,13 @@ class JobsConfig(AppConfig):
 
         from core.metrics import COLLECTORS
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
+        from jobs import runbooks
         from jobs.metrics import jobs_collect
 
         if jobs_collect not in COLLECTORS:
             COLLECTORS.append(jobs_collect)
+
+        runbooks.runbooks_register()
         from jobs.worker import ensure_started
 
         def start_heartbeat(sender, proc_name, **kwargs):

@@ -147,8 +147,7 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.CheckConstraint(condition=models.Q(state="executing") | models.Q(organization_slot__isnull=True),
                                    name="job_organization_slot_only_while_executing"),
         ]
-        permissions = [("requeue_job", "Can requeue a stuck job"), ("fail_job", "Can fail a stuck job"),
-                       ("cancel_job", "Can cancel a job")]
+        # requeue_job, fail_job and cancel_job are declared by the job runbooks (jobs.runbooks)
 
     def __str__(self) -> str:
         return f"job {self.pk} {self.type} ({self.state})"

@@ -1,15 +1,18 @@
-"""The job runbooks: requeue, fail or cancel a stuck job (admin actions and commands).
+"""The job runbooks: requeue, fail or cancel a stuck job, registered by ``JobsConfig.ready``.
 
 Each plans the change on one job and performs it through ``jobs.services``, which locks the
-row, follows seed 000's transition matrix and writes the audit record. Jobs hold no credits:
-the plan names the run a job works for, if any.
+row, follows seed 000's transition matrix and writes the audit record; its declaration also
+gives the admin action and button, the permission and the command (``core.runbooks``). Jobs
+hold no credits: the plan names the run a job works for, if any.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 from django.utils import timezone
 
-from core.runbooks import Plan, Runbook, Skip
+from core.runbooks import Plan, Runbook, by_id, runbook_register, transition
 from core.services import actor_label
 from jobs import services
 from jobs.models import TERMINAL_JOB_STATES, WAITING_JOB_STATES, Job, JobReason, JobState
@@ -37,16 +40,13 @@ def _requeue_plan(job: Job, options: dict) -> Plan:
                 credits=_credits(job), skip=skip, refusal=refusal)
 
 
-def _requeue(job: Job, *, actor, reason: str, options: dict) -> str:
-    before = job.state
-    job = services.job_requeue(job_id=job.pk, actor=actor, reason=reason)
-    if before == job.state:
-        raise Skip(f"already {job.state}")
-    return f"{before} → {job.state}"
+JobRunbook = partial(Runbook, model=Job, noun="job", state_field="state")
 
-
-JOB_REQUEUE = Runbook(name="requeue", title="Requeue", permission="jobs.requeue_job", plan=_requeue_plan,
-                      perform=_requeue)
+JOB_REQUEUE = JobRunbook(
+    name="requeue", title="Requeue", permission="jobs.requeue_job", permission_label="Can requeue a stuck job",
+    plan=_requeue_plan, perform=transition(by_id(services.job_requeue, "job_id"), state_field="state"),
+    action_label="Requeue selected stuck jobs…", command="requeue_job",
+    description="Put stuck executing jobs back to wait (executing → awaiting_tool, claimable now).")
 
 
 def _fail_plan(job: Job, options: dict) -> Plan:
@@ -54,17 +54,16 @@ def _fail_plan(job: Job, options: dict) -> Plan:
                 skip=_ended(job))
 
 
-def _fail(job: Job, *, actor, reason: str, options: dict) -> str:
-    before = job.state
-    job = services.job_fail(job_id=job.pk, reason=JobReason.FATAL,
-                            error=f"failed by operator {actor_label(actor)}: {reason}", actor=actor,
-                            audit_reason=reason)
-    if before == job.state:
-        raise Skip(f"already {job.state}")
-    return f"{before} → {job.state}"
+def _fail(job: Job, *, actor, reason: str, options: dict) -> Job:
+    return services.job_fail(job_id=job.pk, reason=JobReason.FATAL,
+                             error=f"failed by operator {actor_label(actor)}: {reason}", actor=actor,
+                             audit_reason=reason)
 
 
-JOB_FAIL = Runbook(name="fail", title="Fail", permission="jobs.fail_job", plan=_fail_plan, perform=_fail)
+JOB_FAIL = JobRunbook(
+    name="fail", title="Fail", permission="jobs.fail_job", permission_label="Can fail a stuck job",
+    plan=_fail_plan, perform=transition(_fail, state_field="state"), command="fail_job",
+    description="Fail jobs that have not ended (reason fatal_error; the error names you and your reason).")
 
 
 def _cancel_plan(job: Job, options: dict) -> Plan:
@@ -86,5 +85,15 @@ def _cancel(job: Job, *, actor, reason: str, options: dict) -> str:
     return f"{before} → {job.state}"
 
 
-JOB_CANCEL = Runbook(name="cancel", title="Cancel", permission="jobs.cancel_job", plan=_cancel_plan,
-                     perform=_cancel)
+JOB_CANCEL = JobRunbook(
+    name="cancel", title="Cancel", permission="jobs.cancel_job", permission_label="Can cancel a job",
+    plan=_cancel_plan, perform=_cancel, command="cancel_job",
+    description="Cancel jobs: waiting ones at once, executing ones cooperatively (the worker stops them).")
+
+RUNBOOKS = (JOB_REQUEUE, JOB_FAIL, JOB_CANCEL)
+
+
+def runbooks_register() -> None:
+    """``JobsConfig.ready``: the job runbooks join the registry, in this order."""
+    for runbook in RUNBOOKS:
+        runbook_register(runbook)

@@ -1,18 +1,16 @@
 """Admin for runs, their hierarchy, escalations and approvals: the operators' console.
 
-Rows are read-only (they change only through the services); runbook actions (seed 001 §9)
-confirm, ask for a reason, check their own permission and call ``runs.runbooks``. The run
+Rows are read-only (they change only through the services); the runbook actions and buttons
+(seed 001 §9) come from the runbooks ``runs.runbooks`` registers: each confirms, asks for a
+reason, checks its own permission and calls its service. The run
 page shows the whole story in a fixed number of queries: attempts, the agent → task → step
 tree, ledger entries, escalations, approvals, the latest events and the audit trail.
 """
 
 from __future__ import annotations
 
-import uuid
 from collections import defaultdict
 
-from django import forms
-from django.conf import settings
 from django.contrib import admin
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
@@ -21,14 +19,11 @@ from billing.models import LedgerEntry
 from core.admin import ReadOnlyAdmin, ReadOnlyInline
 from core.admin_runbooks import (
     RunbookAdminMixin,
-    RunbookForm,
-    operator_permission,
     recent_filter,
     top_values_filter,
 )
 from core.models import AuditRecord, Event
 from jobs.admin import ProjectListFilter, run_waiting_jobs_html
-from runs import runbooks
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -40,9 +35,8 @@ from runs.models import (
     StepAttempt,
     Task,
 )
-from runs.pipeline.admin import AcknowledgeDriftForm, ResumeForm, RunPipelineAdminMixin
+from runs.pipeline.admin import RunPipelineAdminMixin
 from runs.selectors import run_escalated, run_stuck_q
-from runs.substates import StatusReason, SubState
 
 TIMELINE_LIMIT = 50
 
@@ -134,37 +128,6 @@ class PriorityFilter(admin.SimpleListFilter):
         return queryset.filter(**band) if band else queryset
 
 
-# --- runbook forms ----------------------------------------------------------------------------
-
-class RefundForm(RunbookForm):
-    amount = forms.IntegerField(min_value=1, required=False,
-                                help_text="Credits to refund per run. Empty: everything charged and not yet "
-                                          "refunded. Never more than was charged.")
-    key = forms.CharField(widget=forms.HiddenInput, required=False, initial=lambda: uuid.uuid4().hex,
-                          help_text="this confirmation's idempotency key: submitting it twice refunds once")
-
-    def clean_key(self):
-        key = (self.cleaned_data.get("key") or "").strip()
-        return f"admin:{key}" if key else ""
-
-
-class EscalateForm(RunbookForm):
-    severity = forms.ChoiceField(choices=[(value, value) for value in ("critical", "high", "medium", "low")],
-                                 initial="high")
-
-
-class ApproveGateForm(RunbookForm):
-    gate = forms.CharField(max_length=200, help_text="the gate the run waits for (its status reason "
-                                                     "says awaiting_approval:<gate>)")
-    approval_ref = forms.CharField(max_length=300, label="Approval reference",
-                                   help_text="a reference no other run or gate has used (ticket, change id ...)")
-
-
-class RecoverForm(RunbookForm):
-    older_than_s = forms.IntegerField(min_value=0, required=False, label="Heartbeat older than (s)",
-                                      help_text="a running run whose worker was silent this long is stuck")
-
-
 # --- runs -------------------------------------------------------------------------------------
 
 @admin.register(Run)
@@ -200,28 +163,11 @@ class RunAdmin(RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
                        "heartbeat", "created_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
                        "duration_ms", "replan_count", "deleted_at", "hierarchy", "recent_events", "audit_trail", "plan",
                        "waiting_jobs", "pipeline_record", "ledger_entries")
-    actions = ["start", "force_fail", "cancel", "pause", "resume", "retry", "refund", "escalate", "approve_gate", "recover",
-               "acknowledge_drift", "void"]
-    runbooks = {runbook.name: runbook for runbook in (
-        runbooks.RUN_FORCE_FAIL, runbooks.RUN_CANCEL, runbooks.RUN_PAUSE, runbooks.RUN_RESUME, runbooks.RUN_RETRY,
-        runbooks.RUN_REFUND, runbooks.RUN_ESCALATE, runbooks.RUN_APPROVE_GATE, runbooks.RUN_RECOVER,
-        runbooks.RUN_ACKNOWLEDGE_DRIFT, runbooks.RUN_VOID)}
-    runbook_forms = {"refund": RefundForm, "escalate": EscalateForm, "approve_gate": ApproveGateForm,
-                     "recover": RecoverForm, "resume": ResumeForm, "acknowledge_drift": AcknowledgeDriftForm}
 
     def get_queryset(self, request):
         # The run page reads organization, project and creator: one join instead of a query each.
         return (super().get_queryset(request).select_related("organization", "project__organization", "created_by")
                 .annotate(has_open_escalation=run_escalated()))
-
-    def runbook_initial(self, runbook, objects):
-        if runbook.name == "approve_gate":
-            gates = {run.status_reason.split(":", 1)[1] for run in objects
-                     if StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL)}
-            return {"gate": gates.pop()} if len(gates) == 1 else {}
-        if runbook.name == "recover":
-            return {"older_than_s": settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S}
-        return {}
 
     # --- columns and fields ---------------------------------------------------------------
     @admin.display(description="status", ordering="status")
@@ -371,67 +317,8 @@ class RunAdmin(RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
                            '<th>change</th><th>why</th></tr></thead><tbody>{}</tbody></table>'
                            '<p><a href="{}">all audit records of this run</a></p>', rows, url)
 
-    # --- runbook actions (each: its permission, a confirmation with a reason, the service) ----
-    has_start_permission = operator_permission("runs.start_run")
-    has_force_fail_permission = operator_permission("runs.force_fail_run")
-    has_cancel_permission = operator_permission("runs.cancel_run")
-    has_pause_permission = operator_permission("runs.pause_run")
-    has_resume_permission = operator_permission("runs.resume_run")
-    has_retry_permission = operator_permission("runs.retry_run")
-    has_refund_permission = operator_permission("billing.refund_run")
-    has_escalate_permission = operator_permission("runs.escalate_run")
-    has_approve_gate_permission = operator_permission("runs.approve_gate")
-    has_recover_permission = operator_permission("runs.recover_run")
-
-    @admin.action(description="Start selected runs…", permissions=["start"])
-    def start(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_START)
-
-    @admin.action(description="Force fail selected runs…", permissions=["force_fail"])
-    def force_fail(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_FORCE_FAIL)
-
-    @admin.action(description="Cancel selected runs…", permissions=["cancel"])
-    def cancel(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_CANCEL)
-
-    @admin.action(description="Pause selected runs…", permissions=["pause"])
-    def pause(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_PAUSE)
-
-    @admin.action(description="Resume selected runs…", permissions=["resume"])
-    def resume(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_RESUME)
-
-    @admin.action(description="Retry selected runs…", permissions=["retry"])
-    def retry(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_RETRY)
-
-    @admin.action(description="Refund credits of selected runs…", permissions=["refund"])
-    def refund(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_REFUND)
-
-    @admin.action(description="Escalate selected runs…", permissions=["escalate"])
-    def escalate(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_ESCALATE)
-
-    @admin.action(description="Approve a gate of selected runs…", permissions=["approve_gate"])
-    def approve_gate(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_APPROVE_GATE)
-
-    @admin.action(description="Recover selected stuck runs (heartbeat timeout)…", permissions=["recover"])
-    def recover(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_RECOVER)
-
 
 # --- escalations and approvals ----------------------------------------------------------------
-
-class ResolveForm(RunbookForm):
-    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 80}), max_length=2000,
-                             label="Resolution", error_messages={"required": "A resolution is required."},
-                             help_text="What was done. Recorded as the ticket's resolution "
-                                                           "and in the audit trail.")
-
 
 @admin.register(EscalationTicket)
 class EscalationTicketAdmin(RunbookAdminMixin, ReadOnlyAdmin):
@@ -445,24 +332,9 @@ class EscalationTicketAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     readonly_fields = ("run", "organization", "status", "trigger", "severity", "detail", "created_at",
                        "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution")
     fields = readonly_fields
-    actions = ["acknowledge", "resolve"]
-    runbooks = {"acknowledge": runbooks.ESCALATION_ACKNOWLEDGE, "resolve": runbooks.ESCALATION_RESOLVE}
-    runbook_forms = {"resolve": ResolveForm}
-
-    has_acknowledge_permission = operator_permission("runs.manage_escalation")
-    has_resolve_permission = operator_permission("runs.manage_escalation")
-
     def get_queryset(self, request):
         return super().get_queryset(request).select_related("run", "organization", "acknowledged_by",
                                                             "resolved_by")
-
-    @admin.action(description="Acknowledge selected escalations…", permissions=["acknowledge"])
-    def acknowledge(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.ESCALATION_ACKNOWLEDGE)
-
-    @admin.action(description="Resolve selected escalations…", permissions=["resolve"])
-    def resolve(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.ESCALATION_RESOLVE)
 
 
 @admin.register(ApprovalRequest)

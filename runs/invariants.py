@@ -10,7 +10,7 @@ import hmac
 from collections import defaultdict
 from dataclasses import dataclass
 
-from django.db.models import Count, F, Q, Sum
+from django.db.models import Count, F, Sum
 
 from billing.chain import chain_key, legacy_seal
 from billing.models import CreditAccount, LedgerEntry

@@ -104,19 +104,7 @@ class Run(ConcurrentTransitionMixin, models.Model):
             models.CheckConstraint(condition=models.Q(attempt_number__lte=models.F("max_attempts")),
                                    name="run_attempt_within_max"),
         ]
-        permissions = [
-            ("start_run", "Can start a run"),
-            ("force_fail_run", "Can force-fail a run"),
-            ("cancel_run", "Can cancel a run"),
-            ("pause_run", "Can pause a run"),
-            ("resume_run", "Can resume a run"),
-            ("retry_run", "Can retry a run"),
-            ("escalate_run", "Can escalate a run"),
-            ("recover_run", "Can recover stuck runs"),
-            ("approve_gate", "Can approve a gate"),
-            ("acknowledge_drift", "Can acknowledge the drift of a run's pins"),
-            ("void_run", "Can void a stopped run"),
-        ]
+        # the runbook permissions (start_run, cancel_run ...) are declared by the runbooks (runs.runbooks)
 
     def __str__(self) -> str:
         return f"run {self.pk} {self.name!r} ({self.status})"
@@ -432,7 +420,7 @@ class EscalationTicket(models.Model):
             models.UniqueConstraint(fields=["run", "trigger"], condition=~models.Q(status="resolved"),
                                     name="escalation_one_unresolved_per_trigger"),
         ]
-        permissions = [("manage_escalation", "Can acknowledge and resolve escalations")]
+        # manage_escalation is declared by the escalation runbooks (runs.runbooks)
 
     def __str__(self) -> str:
         return f"escalation {self.pk} of run {self.run_id} ({self.trigger}, {self.status})"

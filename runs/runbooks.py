@@ -1,20 +1,29 @@
-"""The run and escalation runbooks (seed 001 §9) for the admin actions and the commands.
+"""The run and escalation runbooks (seed 001 §9): one declaration each, registered by ``RunsConfig.ready``.
 
 Each ``Runbook`` plans an action on one run (or ticket) — the state change, the credits at
-stake, or why nothing would happen — and performs it through ``runs.services``,
-``runs.escalations`` or ``runs.gates``, which lock the row, re-check the state and write the
-audit record. Nothing here writes a row.
+stake, or why nothing would happen — and performs it through ``runs.services``, which locks
+the row, re-checks the state and writes the audit record. Its declaration also gives the
+admin action, button and form, the permission, and the management command with its arguments
+(``core.runbooks``). Nothing here writes a row.
 """
 
 from __future__ import annotations
 
+import re
+import uuid
+from functools import partial
+
+from django import forms
 from django.conf import settings
+from django.core.management.base import CommandError
 from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
+from billing.models import CreditAccount
 from billing.selectors import account_balance
-from core.runbooks import Plan, Runbook, Skip
+from core.management.base import whole_number
+from core.runbooks import Plan, Runbook, RunbookForm, Skip, by_id, runbook_register, transition
 from core.services import actor_label
 from runs import services
 from runs.models import (
@@ -55,8 +64,18 @@ def _refusal(run: Run, method_name: str) -> str:
     return f"not allowed from {run.status}"
 
 
-def _released_since(run: Run, refunded_before: int) -> str:
-    return f"{run.credits_refunded - refunded_before} credits released"
+def _released(before: Run, run: Run) -> str:
+    """``transition``'s account of the credits a run's transition released."""
+    return f"; {run.credits_refunded - before.credits_refunded} credits released"
+
+
+def _by_run_id(service):
+    return by_id(service, "run_id")
+
+
+RunRunbook = partial(Runbook, model=Run, noun="run")
+TicketRunbook = partial(Runbook, model=EscalationTicket, noun="ticket", permission="runs.manage_escalation",
+                        permission_label="Can acknowledge and resolve escalations")
 
 
 # --- start --------------------------------------------------------------------------------
@@ -69,15 +88,12 @@ def _start_plan(run: Run, options: dict) -> Plan:
                 refusal="" if skip else _refusal(run, "start"))
 
 
-def _start(run: Run, *, actor, reason: str, options: dict) -> str:
-    before = run.status
-    run = services.run_start(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}; {run.credit_limit} credits reserved"
-
-
-RUN_START = Runbook(name="start", title="Start", permission="runs.start_run", plan=_start_plan, perform=_start)
+RUN_START = RunRunbook(
+    name="start", title="Start", permission="runs.start_run", permission_label="Can start a run",
+    plan=_start_plan, perform=transition(_by_run_id(services.run_start),
+                                         then=lambda before, run: f"; {run.credit_limit} credits reserved"),
+    button_states=(Run.Status.CREATED,), command="start_run",
+    description="Start created runs: reserve credit_limit credits from their organization and queue them.")
 
 
 # --- force fail ---------------------------------------------------------------------------
@@ -88,17 +104,15 @@ def _force_fail_plan(run: Run, options: dict) -> Plan:
                 skip=skip, refusal=_refusal(run, "fail"))
 
 
-def _force_fail(run: Run, *, actor, reason: str, options: dict) -> str:
-    before, refunded = run.status, run.credits_refunded
-    run = services.run_fail(run_id=run.pk, code=FORCE_FAIL_CODE,
-                            message=f"force-failed by {actor_label(actor)}: {reason}", actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}; {_released_since(run, refunded)}"
+def _force_fail(run: Run, *, actor, reason: str, options: dict) -> Run:
+    return services.run_fail(run_id=run.pk, code=FORCE_FAIL_CODE,
+                             message=f"force-failed by {actor_label(actor)}: {reason}", actor=actor, reason=reason)
 
 
-RUN_FORCE_FAIL = Runbook(name="force_fail", title="Force fail", permission="runs.force_fail_run",
-                         plan=_force_fail_plan, perform=_force_fail)
+RUN_FORCE_FAIL = RunRunbook(
+    name="force_fail", title="Force fail", permission="runs.force_fail_run", permission_label="Can force-fail a run",
+    plan=_force_fail_plan, perform=transition(_force_fail, then=_released), command="force_fail_run",
+    description="Force-fail runs (pending, running, resuming or retrying): end their agents, release unused credits.")
 
 
 # --- cancel -------------------------------------------------------------------------------
@@ -109,16 +123,11 @@ def _cancel_plan(run: Run, options: dict) -> Plan:
                 refusal=_refusal(run, "cancel"))
 
 
-def _cancel(run: Run, *, actor, reason: str, options: dict) -> str:
-    before, refunded = run.status, run.credits_refunded
-    run = services.run_cancel(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}; {_released_since(run, refunded)}"
-
-
-RUN_CANCEL = Runbook(name="cancel", title="Cancel", permission="runs.cancel_run", plan=_cancel_plan,
-                     perform=_cancel)
+RUN_CANCEL = RunRunbook(
+    name="cancel", title="Cancel", permission="runs.cancel_run", permission_label="Can cancel a run",
+    plan=_cancel_plan, perform=transition(_by_run_id(services.run_cancel), then=_released), command="cancel_run",
+    description="Cancel runs (created, pending, running or paused): end their agents, release every credit not "
+                "charged.")
 
 
 # --- pause and resume ---------------------------------------------------------------------
@@ -129,15 +138,10 @@ def _pause_plan(run: Run, options: dict) -> Plan:
                 skip=skip, refusal=_refusal(run, "pause"))
 
 
-def _pause(run: Run, *, actor, reason: str, options: dict) -> str:
-    before = run.status
-    run = services.run_pause(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}"
-
-
-RUN_PAUSE = Runbook(name="pause", title="Pause", permission="runs.pause_run", plan=_pause_plan, perform=_pause)
+RUN_PAUSE = RunRunbook(
+    name="pause", title="Pause", permission="runs.pause_run", permission_label="Can pause a run",
+    plan=_pause_plan, perform=transition(_by_run_id(services.run_pause)), command="pause_run",
+    description="Pause running runs: no new work starts until they are resumed (credits stay reserved).")
 
 
 def _current(run: Run) -> str:
@@ -189,8 +193,34 @@ def _resume(run: Run, *, actor, reason: str, options: dict) -> str:
     return f"{before} → {run.status}" + (f"; {result.detail}" if result.detail else "")
 
 
-RUN_RESUME = Runbook(name="resume", title="Resume", permission="runs.resume_run", plan=_resume_plan,
-                     perform=_resume, option_names=("gate", "approval_ref"))
+class ResumeForm(RunbookForm):
+    gate = forms.CharField(max_length=200, required=False,
+                           help_text="a run awaiting approval: the gate (default: the one it waits for)")
+    approval_ref = forms.CharField(max_length=300, required=False, label="Approval reference",
+                                   help_text="a run awaiting approval: a reference no other run or gate has used")
+
+
+def _resume_arguments(parser) -> None:
+    parser.add_argument("--gate", default="", help="the gate a run awaiting approval waits for (default: its own)")
+    parser.add_argument("--approval-ref", default="", dest="approval_ref",
+                        help="the approval reference for a run awaiting approval (used by no other run or gate)")
+
+
+def _resume_options(options: dict) -> dict:
+    gate, ref = (options["gate"] or "").strip(), (options["approval_ref"] or "").strip()
+    if gate and not ref:
+        raise CommandError("--gate needs --approval-ref")
+    return {"gate": gate, "approval_ref": ref}
+
+
+RUN_RESUME = RunRunbook(
+    name="resume", title="Resume", permission="runs.resume_run", permission_label="Can resume a run",
+    plan=_resume_plan, perform=_resume, option_names=("gate", "approval_ref"), form=ResumeForm,
+    command="resume_run", arguments=_resume_arguments, command_options=_resume_options,
+    description="Resume paused runs (seed 002 §7): a completed run is left alone, a failed one refused; a gated "
+                "run's pins and last passed gate are checked again first (drift stops it again); a run awaiting "
+                "approval resumes only with --approval-ref (its gate, or --gate), a run stopped on drift only once "
+                "acknowledged.")
 
 
 # --- acknowledge drift and void (gated pipelines) ------------------------------------------
@@ -214,9 +244,24 @@ def _acknowledge_drift(run: Run, *, actor, reason: str, options: dict) -> str:
     return "acknowledged " + ", ".join(d.dimension for d in drifts) + "; resume the run to continue"
 
 
-RUN_ACKNOWLEDGE_DRIFT = Runbook(name="acknowledge_drift", title="Acknowledge drift",
-                                permission="runs.acknowledge_drift", plan=_acknowledge_drift_plan,
-                                perform=_acknowledge_drift, option_names=("dimension",))
+class AcknowledgeDriftForm(RunbookForm):
+    dimension = forms.CharField(max_length=250, required=False,
+                                help_text="acknowledge this dimension only (empty: every unacknowledged drift)")
+
+
+def _acknowledge_drift_arguments(parser) -> None:
+    parser.add_argument("--dimension", default="", help="acknowledge this dimension only (default: all)")
+
+
+RUN_ACKNOWLEDGE_DRIFT = RunRunbook(
+    name="acknowledge_drift", title="Acknowledge drift", permission="runs.acknowledge_drift",
+    permission_label="Can acknowledge the drift of a run's pins", plan=_acknowledge_drift_plan,
+    perform=_acknowledge_drift, option_names=("dimension",), form=AcknowledgeDriftForm,
+    action_label="Acknowledge the drift of selected runs…", command="acknowledge_drift",
+    arguments=_acknowledge_drift_arguments,
+    command_options=lambda options: {"dimension": (options["dimension"] or "").strip()},
+    description="Acknowledge the drift runs stopped on (stopped_drift:<dimension>): a pin's live value becomes the "
+                "pin, the old one stays in the record. The runs stay paused: resume them with resume_run.")
 
 
 def _void_plan(run: Run, options: dict) -> Plan:
@@ -233,15 +278,15 @@ def _void_plan(run: Run, options: dict) -> Plan:
                 credits=_releases(run), skip=skip, refusal=refusal)
 
 
-def _void(run: Run, *, actor, reason: str, options: dict) -> str:
-    before, refunded = run.status, run.credits_refunded
-    run = services.run_void(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already voided ({run.status_reason})")
-    return f"{before} → {run.status} ({run.status_reason}); {_released_since(run, refunded)}"
-
-
-RUN_VOID = Runbook(name="void", title="Void", permission="runs.void_run", plan=_void_plan, perform=_void)
+RUN_VOID = RunRunbook(
+    name="void", title="Void", permission="runs.void_run", permission_label="Can void a stopped run",
+    plan=_void_plan, perform=transition(_by_run_id(services.run_void),
+                                        then=lambda before, run: f" ({run.status_reason}){_released(before, run)}",
+                                        skip=lambda run: f"already voided ({run.status_reason})"),
+    action_label="Void selected stopped runs…", command="void_run",
+    description="Void stopped runs (paused or failed): they end cancelled with the reason voided:<reason>, their "
+                "phase idempotency keys are released, pending approvals voided and unused reserved credits "
+                "refunded.")
 
 
 # --- retry --------------------------------------------------------------------------------
@@ -265,15 +310,13 @@ def _retry_plan(run: Run, options: dict) -> Plan:
                 skip=skip, refusal=refusal)
 
 
-def _retry(run: Run, *, actor, reason: str, options: dict) -> str:
-    before = run.status
-    run = services.run_retry(run_id=run.pk, actor=actor, reason=reason)
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status}; attempt {run.attempt_number} reserved {run.credit_limit} credits"
-
-
-RUN_RETRY = Runbook(name="retry", title="Retry", permission="runs.retry_run", plan=_retry_plan, perform=_retry)
+RUN_RETRY = RunRunbook(
+    name="retry", title="Retry", permission="runs.retry_run", permission_label="Can retry a run",
+    plan=_retry_plan, perform=transition(
+        _by_run_id(services.run_retry),
+        then=lambda before, run: f"; attempt {run.attempt_number} reserved {run.credit_limit} credits"),
+    command="retry_run",
+    description="Retry failed runs with attempts left: a new attempt with a new reservation of credit_limit credits.")
 
 
 # --- refund -------------------------------------------------------------------------------
@@ -303,8 +346,38 @@ def _refund(run: Run, *, actor, reason: str, options: dict) -> str:
     return f"refunded {amount} credits ({run.credits_charged} still charged)"
 
 
-RUN_REFUND = Runbook(name="refund", title="Refund credits", permission="billing.refund_run", plan=_refund_plan,
-                     perform=_refund, option_names=("amount", "key"))
+class RefundForm(RunbookForm):
+    amount = forms.IntegerField(min_value=1, required=False,
+                                help_text="Credits to refund per run. Empty: everything charged and not yet "
+                                          "refunded. Never more than was charged.")
+    key = forms.CharField(widget=forms.HiddenInput, required=False, initial=lambda: uuid.uuid4().hex,
+                          help_text="this confirmation's idempotency key: submitting it twice refunds once")
+
+    def clean_key(self):
+        key = (self.cleaned_data.get("key") or "").strip()
+        return f"admin:{key}" if key else ""
+
+
+def _refund_arguments(parser) -> None:
+    parser.add_argument("--amount", type=int, help="credits per run (default: everything still charged)")
+    parser.add_argument("--key", help="idempotency key: repeating the command with it refunds once")
+
+
+def _refund_options(options: dict) -> dict:
+    if options["amount"] is not None and options["amount"] <= 0:
+        raise CommandError("--amount must be a whole number greater than zero")
+    key = (options["key"] or "").strip()
+    return {"amount": options["amount"], "key": f"cli:{key}" if key else None}
+
+
+RUN_REFUND = RunRunbook(
+    name="refund", title="Refund credits", permission="billing.refund_run", permission_model=CreditAccount,
+    permission_label="Can refund credits of a run", plan=_refund_plan, perform=_refund,
+    option_names=("amount", "key"), form=RefundForm, action_label="Refund credits of selected runs…",
+    command="refund_run", arguments=_refund_arguments, command_options=_refund_options,
+    command_example="--amount {amount}",
+    description="Refund charged credits of completed, failed or cancelled runs: everything charged, or --amount "
+                "per run (never more than charged minus refunded).")
 
 
 # --- escalate -----------------------------------------------------------------------------
@@ -326,8 +399,20 @@ def _escalate(run: Run, *, actor, reason: str, options: dict) -> str:
     return f"opened escalation ticket {ticket.pk}"
 
 
-RUN_ESCALATE = Runbook(name="escalate", title="Escalate", permission="runs.escalate_run", plan=_escalate_plan,
-                       perform=_escalate, option_names=("severity",))
+SEVERITIES = ("critical", "high", "medium", "low")
+
+
+class EscalateForm(RunbookForm):
+    severity = forms.ChoiceField(choices=[(value, value) for value in SEVERITIES], initial="high")
+
+
+RUN_ESCALATE = RunRunbook(
+    name="escalate", title="Escalate", permission="runs.escalate_run", permission_label="Can escalate a run",
+    plan=_escalate_plan, perform=_escalate, option_names=("severity",), form=EscalateForm, command="escalate_run",
+    arguments=lambda parser: parser.add_argument("--severity", choices=list(SEVERITIES), default="high"),
+    command_options=lambda options: {"severity": options["severity"]},
+    description="Open a manual escalation ticket for runs (the reason is the ticket's detail); one open ticket per "
+                "run.")
 
 
 # --- approve a gate -----------------------------------------------------------------------
@@ -356,8 +441,39 @@ def _approve(run: Run, *, actor, reason: str, options: dict) -> str:
     return f"gate {request.gate!r} approved ({ref}); {before} → {run.status}"
 
 
-RUN_APPROVE_GATE = Runbook(name="approve_gate", title="Approve a gate", permission="runs.approve_gate",
-                           plan=_approve_plan, perform=_approve, option_names=("gate", "approval_ref"))
+class ApproveGateForm(RunbookForm):
+    gate = forms.CharField(max_length=200, help_text="the gate the run waits for (its status reason "
+                                                     "says awaiting_approval:<gate>)")
+    approval_ref = forms.CharField(max_length=300, label="Approval reference",
+                                   help_text="a reference no other run or gate has used (ticket, change id ...)")
+
+
+def _approve_initial(runs: list) -> dict:
+    """The gate, when every selected run waits for the same one."""
+    gates = {StatusReason.parse(run.status_reason).detail for run in runs
+             if StatusReason.parse(run.status_reason).is_(SubState.AWAITING_APPROVAL)}
+    return {"gate": gates.pop()} if len(gates) == 1 else {}
+
+
+def _approve_arguments(parser) -> None:
+    parser.add_argument("--gate", required=True, help="the gate's name")
+    parser.add_argument("--ref", required=True, help="the approval reference (unique across runs and gates)")
+
+
+def _approve_options(options: dict) -> dict:
+    gate, ref = (options["gate"] or "").strip(), (options["ref"] or "").strip()
+    if not gate or not ref:
+        raise CommandError("--gate and --ref must not be empty")
+    return {"gate": gate, "approval_ref": ref}
+
+
+RUN_APPROVE_GATE = RunRunbook(
+    name="approve_gate", title="Approve a gate", permission="runs.approve_gate", permission_label="Can approve a gate",
+    plan=_approve_plan, perform=_approve, option_names=("gate", "approval_ref"), form=ApproveGateForm,
+    initial=_approve_initial, action_label="Approve a gate of selected runs…", command="approve_gate", many=False,
+    arguments=_approve_arguments, command_options=_approve_options, command_example="--gate {gate} --ref REF",
+    description="Approve a gate a run waits for (status reason awaiting_approval:<gate>) with an approval reference "
+                "no other run or gate has used; the run resumes.")
 
 
 # --- recover a stuck run (seed 001 §9.1) -------------------------------------------------
@@ -386,19 +502,57 @@ def _recover_plan(run: Run, options: dict) -> Plan:
                 credits=_releases(run), skip=skip)
 
 
-def _recover(run: Run, *, actor, reason: str, options: dict) -> str:
-    before, refunded = run.status, run.credits_refunded
+def _recover(run: Run, *, actor, reason: str, options: dict) -> Run:
     try:
-        run = services.run_recover(run_id=run.pk, older_than_s=_older_than(options), actor=actor, reason=reason)
+        return services.run_recover(run_id=run.pk, older_than_s=_older_than(options), actor=actor, reason=reason)
     except services.RunNotStuck as exc:
         raise Skip(f"not stuck any more: {exc.detail.split(': ', 1)[-1]}") from exc
-    if before == run.status:
-        raise Skip(f"already {run.status}")
-    return f"{before} → {run.status} ({HEARTBEAT_TIMEOUT_CODE}); {_released_since(run, refunded)}"
 
 
-RUN_RECOVER = Runbook(name="recover", title="Recover stuck runs", permission="runs.recover_run",
-                      plan=_recover_plan, perform=_recover, option_names=("older_than_s",))
+class RecoverForm(RunbookForm):
+    older_than_s = forms.IntegerField(min_value=0, required=False, label="Heartbeat older than (s)",
+                                      help_text="a running run whose worker was silent this long is stuck")
+
+
+DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_S = 3650 * 86400  # ten years: silence beyond that is a typo
+
+
+def duration_s(value: str) -> int:
+    match = re.fullmatch(r"\s*(\d{1,12})\s*([smhd]?)\s*", value or "")
+    if not match:
+        raise CommandError(f"--older-than {value!r}: give a duration such as 90, 90s, 5m, 2h or 1d")
+    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2)]
+    if seconds > MAX_DURATION_S:
+        raise CommandError(f"--older-than {value!r}: at most 3650d")
+    return seconds
+
+
+def _recover_arguments(parser) -> None:
+    parser.add_argument("--older-than", help="silence that makes a run stuck: 90, 90s, 5m, 2h, 1d "
+                                             "(default: ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S)")
+    parser.add_argument("--limit", type=whole_number(1, 1_000_000), default=1000,
+                        help="recover at most this many runs (default 1000)")
+
+
+def _recover_options(options: dict) -> dict:
+    older_than = options["older_than"]
+    return {"older_than_s": settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S if older_than is None
+            else duration_s(older_than)}
+
+
+RUN_RECOVER = RunRunbook(
+    name="recover", title="Recover stuck runs", permission="runs.recover_run",
+    permission_label="Can recover stuck runs", plan=_recover_plan,
+    perform=transition(_recover, then=lambda before, run: f" ({HEARTBEAT_TIMEOUT_CODE}){_released(before, run)}"),
+    option_names=("older_than_s",), form=RecoverForm,
+    initial=lambda runs: {"older_than_s": settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S},
+    button_states=(Run.Status.RUNNING,), action_label="Recover selected stuck runs (heartbeat timeout)…",
+    command="recover_stuck_runs", arguments=_recover_arguments, command_options=_recover_options,
+    targets=lambda options, runbook_options: runs_heartbeat_stale(
+        older_than_s=runbook_options["older_than_s"])[:options["limit"]],
+    description="Recover stuck runs (seed 001 §9.1): fail running runs without a worker heartbeat for --older-than "
+                "with heartbeat_timeout, terminating their agents and refunding the unused reservation.")
 
 
 # --- escalation tickets -------------------------------------------------------------------
@@ -414,16 +568,11 @@ def _acknowledge_plan(ticket: EscalationTicket, options: dict) -> Plan:
                 skip=skip)
 
 
-def _acknowledge(ticket: EscalationTicket, *, actor, reason: str, options: dict) -> str:
-    before = ticket.status
-    ticket = escalations.escalation_acknowledge(ticket_id=ticket.pk, actor=actor, reason=reason)
-    if before == ticket.status:
-        raise Skip(f"already {ticket.status}")
-    return f"{before} → {ticket.status}"
-
-
-ESCALATION_ACKNOWLEDGE = Runbook(name="acknowledge", title="Acknowledge", permission="runs.manage_escalation",
-                                 plan=_acknowledge_plan, perform=_acknowledge)
+ESCALATION_ACKNOWLEDGE = TicketRunbook(
+    name="acknowledge", title="Acknowledge", plan=_acknowledge_plan,
+    perform=transition(by_id(escalations.escalation_acknowledge, "ticket_id")),
+    action_label="Acknowledge selected escalations…", command="acknowledge_escalation",
+    description="Acknowledge open escalation tickets (open → acknowledged): someone is on it.")
 
 
 def _resolve_plan(ticket: EscalationTicket, options: dict) -> Plan:
@@ -432,13 +581,25 @@ def _resolve_plan(ticket: EscalationTicket, options: dict) -> Plan:
                 credits=_ticket_credits(ticket), skip=skip)
 
 
-def _resolve(ticket: EscalationTicket, *, actor, reason: str, options: dict) -> str:
-    before = ticket.status
-    ticket = escalations.escalation_resolve(ticket_id=ticket.pk, actor=actor, reason=reason)
-    if before == ticket.status:
-        raise Skip(f"already {ticket.status}")
-    return f"{before} → {ticket.status}"
+class ResolveForm(RunbookForm):
+    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 80}), max_length=2000,
+                             label="Resolution", error_messages={"required": "A resolution is required."},
+                             help_text="What was done. Recorded as the ticket's resolution "
+                                       "and in the audit trail.")
 
 
-ESCALATION_RESOLVE = Runbook(name="resolve", title="Resolve", permission="runs.manage_escalation",
-                             plan=_resolve_plan, perform=_resolve)
+ESCALATION_RESOLVE = TicketRunbook(
+    name="resolve", title="Resolve", plan=_resolve_plan,
+    perform=transition(by_id(escalations.escalation_resolve, "ticket_id")), form=ResolveForm,
+    action_label="Resolve selected escalations…", command="resolve_escalation",
+    description="Resolve escalation tickets (open or acknowledged → resolved); the reason is the resolution.")
+
+
+RUNBOOKS = (RUN_START, RUN_FORCE_FAIL, RUN_CANCEL, RUN_PAUSE, RUN_RESUME, RUN_RETRY, RUN_REFUND, RUN_ESCALATE,
+            RUN_APPROVE_GATE, RUN_RECOVER, RUN_ACKNOWLEDGE_DRIFT, RUN_VOID, ESCALATION_ACKNOWLEDGE, ESCALATION_RESOLVE)
+
+
+def runbooks_register() -> None:
+    """``RunsConfig.ready``: the run and escalation runbooks join the registry, in this order."""
+    for runbook in RUNBOOKS:
+        runbook_register(runbook)

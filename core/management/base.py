@@ -1,9 +1,10 @@
 """What every runbook command shares: domain errors become ``CommandError``, never a traceback.
 
 ``RunbookActionCommand`` is the shell face of a ``core.runbooks.Runbook``: ``<command> ID [ID ...]
---reason TEXT [--dry-run] [--as USERNAME] [--json]``. It plans or applies the runbook to each
-object, prints one line per object (done, skipped and why, refused and why) and ends with a
-``CommandError`` when any object was refused.
+--reason TEXT [--dry-run] [--as USERNAME] [--json]`` and the runbook's own arguments. It plans
+or applies the runbook to each object, prints one line per object (done, skipped and why,
+refused and why) and ends with a ``CommandError`` when any object was refused. A runbook's
+command module is one line: ``Command = runbook_command("<command>")``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import DomainError
-from core.runbooks import DONE, PLANNED, REFUSED, SKIPPED, Runbook, describe_error, runbook_execute
+from core.runbooks import (
+    DONE,
+    PLANNED,
+    REFUSED,
+    SKIPPED,
+    Runbook,
+    describe_error,
+    runbook_execute,
+    runbook_for_command,
+)
 
 __all__ = ["RunbookCommand", "RunbookActionCommand", "ShellActor", "describe_error", "positive_id", "progress_bar",
-           "whole_number"]
+           "runbook_command", "whole_number"]
 
 
 class ShellActor:
@@ -115,32 +125,35 @@ def whole_number(low: int, high: int):
 
 
 class RunbookActionCommand(RunbookCommand):
-    """Apply one runbook to objects given by id (subclasses set ``runbook``, ``model`` and ``noun``)."""
+    """Apply one runbook (``runbook``) to objects given by id, or to those the runbook selects."""
 
     runbook: Runbook
-    model = None
-    noun = "object"
-    many = True
 
     def add_arguments(self, parser):
-        parser.add_argument("ids", nargs="+" if self.many else None, type=positive_id, metavar=self.noun.upper(),
-                            help=f"{self.noun} id{'s' if self.many else ''}")
+        runbook = self.runbook
+        if runbook.targets is None:
+            parser.add_argument("ids", nargs="+" if runbook.many else None, type=positive_id,
+                                metavar=runbook.noun.upper(), help=f"{runbook.noun} id{'s' if runbook.many else ''}")
+        if runbook.arguments is not None:
+            runbook.arguments(parser)
         parser.add_argument("--reason", required=True, help="why: recorded in the audit trail")
         parser.add_argument("--dry-run", action="store_true", help="show what would happen; change nothing")
         parser.add_argument("--as", dest="as_user", metavar="USERNAME",
                             help="the user recorded as the actor (default: the shell user, by name)")
         parser.add_argument("--json", action="store_true", help="print the results as JSON")
-        self.add_runbook_arguments(parser)
 
-    def add_runbook_arguments(self, parser) -> None:
-        """Arguments of this runbook (``--amount``, ``--gate`` ...)."""
+    @property
+    def noun(self) -> str:
+        return self.runbook.noun
 
     def runbook_options(self, options) -> dict:
-        return {}
+        return self.runbook.command_options(options) if self.runbook.command_options else {}
 
-    def targets(self, options) -> list:
-        ids = options["ids"] if self.many else [options["ids"]]
-        found = {obj.pk: obj for obj in self.model.objects.filter(pk__in=ids)}
+    def targets(self, options, runbook_options: dict) -> list:
+        if self.runbook.targets is not None:
+            return list(self.runbook.targets(options, runbook_options))
+        ids = options["ids"] if self.runbook.many else [options["ids"]]
+        found = {obj.pk: obj for obj in self.runbook.model._default_manager.filter(pk__in=ids)}
         missing = [str(pk) for pk in ids if pk not in found]
         if missing:
             raise CommandError(f"{self.noun} {', '.join(missing)} does not exist")
@@ -153,7 +166,7 @@ class RunbookActionCommand(RunbookCommand):
         actor = self.resolve_operator(options["as_user"])
         self.check_permission(actor)
         runbook_options = self.runbook_options(options)
-        targets = self.targets(options)
+        targets = self.targets(options, runbook_options)
         self.report(self.apply(targets, actor=actor, reason=reason, runbook_options=runbook_options,
                                dry_run=options["dry_run"]), options)
 
@@ -198,3 +211,10 @@ class RunbookActionCommand(RunbookCommand):
         if refused:
             raise CommandError(f"{len(refused)} of {len(outcomes)} {self.noun}s refused: "
                                + "; ".join(f"{o.target.pk}: {o.detail}" for o in refused[:5]))
+
+
+def runbook_command(command: str) -> type[RunbookActionCommand]:
+    """The ``Command`` class of the registered runbook whose command is ``command``."""
+    runbook = runbook_for_command(command)
+    return type("Command", (RunbookActionCommand,), {
+        "runbook": runbook, "help": runbook.description, "__doc__": f"``{command}``: {runbook.title.lower()}."})

@@ -1,10 +1,9 @@
 """The console's side of gated pipelines: the run page's pipeline panel (phases, receipts, pins,
-drift, keys), the sidecar download, the acknowledge-drift and void actions, and read-only lists
-of receipts, pins, drift and phase keys."""
+drift, keys), the sidecar download, and read-only lists of receipts, pins, drift and phase keys.
+(The acknowledge-drift and void actions are runbooks: ``runs.runbooks``.)"""
 
 from __future__ import annotations
 
-from django import forms
 from django.contrib import admin
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
@@ -13,8 +12,7 @@ from django.urls import path, reverse
 from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
-from core.admin_runbooks import RunbookForm, operator_permission, recent_filter
-from runs import runbooks
+from core.admin_runbooks import recent_filter
 from runs.models import (
     ContextPin,
     DriftRecord,
@@ -26,23 +24,8 @@ from runs.models import (
 from runs.pipeline.sidecar import sidecar_json
 
 
-class ResumeForm(RunbookForm):
-    gate = forms.CharField(max_length=200, required=False,
-                           help_text="a run awaiting approval: the gate (default: the one it waits for)")
-    approval_ref = forms.CharField(max_length=300, required=False, label="Approval reference",
-                                   help_text="a run awaiting approval: a reference no other run or gate has used")
-
-
-class AcknowledgeDriftForm(RunbookForm):
-    dimension = forms.CharField(max_length=250, required=False,
-                                help_text="acknowledge this dimension only (empty: every unacknowledged drift)")
-
-
 class RunPipelineAdminMixin:
-    """Adds to the run admin: the pipeline panel, ``<id>/sidecar/`` and the gated-pipeline actions."""
-
-    has_acknowledge_drift_permission = operator_permission("runs.acknowledge_drift")
-    has_void_permission = operator_permission("runs.void_run")
+    """Adds to the run admin: the pipeline panel and ``<id>/sidecar/``."""
 
     def get_urls(self):
         opts = self.model._meta
@@ -60,14 +43,6 @@ class RunPipelineAdminMixin:
         response = HttpResponse(sidecar_json(run), content_type="application/json")
         response["Content-Disposition"] = f'attachment; filename="run-{run.pk}-sidecar.json"'
         return response
-
-    @admin.action(description="Acknowledge the drift of selected runs…", permissions=["acknowledge_drift"])
-    def acknowledge_drift(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_ACKNOWLEDGE_DRIFT)
-
-    @admin.action(description="Void selected stopped runs…", permissions=["void"])
-    def void(self, request, queryset):
-        return self.runbook_respond(request, queryset, runbooks.RUN_VOID)
 
     @admin.display(description="gated pipeline")
     def pipeline_record(self, run: Run):

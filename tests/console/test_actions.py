@@ -280,6 +280,24 @@ def test_the_run_page_offers_buttons_for_what_applies(make_staff, login, run_in)
     assert client.get(reverse("admin:runs_run_runbook", args=[999999, "pause"])).status_code == 404
 
 
+def test_the_page_of_a_created_run_offers_start(make_staff, login, run_in):
+    client = login(make_staff("op", "runs.start_run", "runs.cancel_run"))
+    run = run_in("created")
+    page = client.get(reverse("admin:runs_run_change", args=[run.pk]))
+    assert {button["name"] for button in page.context["runbook_buttons"]} == {"start", "cancel"}
+    url = reverse("admin:runs_run_runbook", args=[run.pk, "start"])
+    assert f'href="{url}"' in page.content.decode()
+
+    confirm = client.get(url)
+    assert confirm.status_code == 200 and [row["object"].pk for row in confirm.context["rows"]] == [run.pk]
+    done = client.post(url, {"runbook_confirm": "start", "reason": "customer asked"})
+    assert done.status_code == 302 and done.url == reverse("admin:runs_run_change", args=[run.pk])
+    assert Run.objects.get(pk=run.pk).status == "pending"
+    assert AuditRecord.objects.get(action="run_start", run_id=run.pk).reason == "customer asked"
+    started = client.get(reverse("admin:runs_run_change", args=[run.pk]))
+    assert "start" not in {button["name"] for button in started.context["runbook_buttons"]}
+
+
 # --- escalations ------------------------------------------------------------------------------
 
 def test_escalation_acknowledge_and_resolve(make_staff, login, escalation):

@@ -46,6 +46,7 @@ class Case:
 
 
 RUN_COMMANDS = {
+    "start_run": Case("created", "pending", "run_start", repeat="already started (pending)"),
     "force_fail_run": Case("running", "failed", "run_force_fail", repeat="already failed"),
     "cancel_run": Case("paused", "cancelled", "run_cancel", repeat="already cancelled"),
     "pause_run": Case("running", "paused", "run_pause", repeat="already paused"),
@@ -177,6 +178,29 @@ def test_recover_stuck_runs(run_in):
         with pytest.raises(CommandError, match=message):
             run_command("recover_stuck_runs", *(["--reason", "x"] if bad else []), *bad)
     assert invariants_check() == []
+
+
+# --- escalation tickets -----------------------------------------------------------------------
+
+def test_acknowledge_and_resolve_escalation(escalation, operator):
+    ticket = escalation()
+    planned = run_command("acknowledge_escalation", str(ticket.pk), "--reason", "looking", "--dry-run")
+    assert planned.startswith(f"dry run: ticket {ticket.pk}: would do: open → acknowledged"), planned
+    assert EscalationTicket.objects.get(pk=ticket.pk).status == "open"
+    data = json.loads(run_command("acknowledge_escalation", str(ticket.pk), "--reason", "looking", "--as", "op",
+                                  "--json"))
+    assert data["results"] == [{"ticket": ticket.pk, "result": "done", "detail": "open → acknowledged"}]
+    assert "skipped: already acknowledged" in run_command("acknowledge_escalation", str(ticket.pk), "--reason", "x")
+    assert run_command("resolve_escalation", str(ticket.pk), "--reason", "restarted the worker").startswith(
+        f"ticket {ticket.pk}: done: acknowledged → resolved")
+    ticket = EscalationTicket.objects.get(pk=ticket.pk)
+    assert (ticket.status, ticket.resolution, ticket.acknowledged_by_id) == ("resolved", "restarted the worker",
+                                                                             operator.pk)
+    assert "skipped: already resolved" in run_command("resolve_escalation", str(ticket.pk), "--reason", "again")
+    with pytest.raises(CommandError, match="ticket 424242 does not exist"):
+        run_command("resolve_escalation", "424242", "--reason", "x")
+    assert list(AuditRecord.objects.filter(target_type="escalation").order_by("id").values_list("action", flat=True)) \
+        == ["escalation_acknowledge", "escalation_resolve"]
 
 
 # --- jobs -------------------------------------------------------------------------------------

@@ -1,12 +1,6 @@
-"""``cancel_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``cancel_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``jobs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from jobs.models import Job
-from jobs.runbooks import JOB_CANCEL
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Cancel jobs: waiting ones at once, executing ones cooperatively (the worker stops them)."
-    runbook = JOB_CANCEL
-    model = Job
-    noun = "job"
+Command = runbook_command("cancel_job")

@@ -1,12 +1,6 @@
-"""``fail_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``fail_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``jobs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from jobs.models import Job
-from jobs.runbooks import JOB_FAIL
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Fail jobs that have not ended (reason fatal_error; the error names you and your reason)."
-    runbook = JOB_FAIL
-    model = Job
-    noun = "job"
+Command = runbook_command("fail_job")

@@ -1,12 +1,6 @@
-"""``requeue_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``requeue_job JOB [JOB ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``jobs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from jobs.models import Job
-from jobs.runbooks import JOB_REQUEUE
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Put stuck executing jobs back to wait (executing → awaiting_tool, claimable now)."
-    runbook = JOB_REQUEUE
-    model = Job
-    noun = "job"
+Command = runbook_command("requeue_job")

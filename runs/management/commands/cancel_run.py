@@ -1,12 +1,6 @@
-"""``cancel_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``cancel_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``runs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from runs.models import Run
-from runs.runbooks import RUN_CANCEL
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Cancel runs (created, pending, running or paused): end their agents, release every credit not charged."
-    runbook = RUN_CANCEL
-    model = Run
-    noun = "run"
+Command = runbook_command("cancel_run")

@@ -1,12 +1,6 @@
-"""``pause_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``pause_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``runs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from runs.models import Run
-from runs.runbooks import RUN_PAUSE
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Pause running runs: no new work starts until they are resumed (credits stay reserved)."
-    runbook = RUN_PAUSE
-    model = Run
-    noun = "run"
+Command = runbook_command("pause_run")

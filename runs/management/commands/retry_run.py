@@ -1,12 +1,6 @@
-"""``retry_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``."""
+"""``retry_run RUN [RUN ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``runs.runbooks``."""
 
-from core.management.base import RunbookActionCommand
-from runs.models import Run
-from runs.runbooks import RUN_RETRY
+from core.management.base import runbook_command
 
-
-class Command(RunbookActionCommand):
-    help = "Retry failed runs with attempts left: a new attempt with a new reservation of credit_limit credits."
-    runbook = RUN_RETRY
-    model = Run
-    noun = "run"
+Command = runbook_command("retry_run")

@@ -1,0 +1,6 @@
+"""``acknowledge_escalation TICKET [TICKET ...] --reason TEXT [--dry-run] [--as USERNAME] [--json]``:
+the runbook declared in ``runs.runbooks``."""
+
+from core.management.base import runbook_command
+
+Command = runbook_command("acknowledge_escalation")
