@@ -9,7 +9,6 @@ admin action, button and form, the permission, and the management command with i
 
 from __future__ import annotations
 
-import re
 import uuid
 from functools import partial
 
@@ -22,7 +21,7 @@ from django_fsm import can_proceed
 
 from billing.models import CreditAccount
 from billing.selectors import account_balance
-from core.management.base import whole_number
+from core.management.base import duration_s, whole_number
 from core.runbooks import Plan, Runbook, RunbookForm, Skip, by_id, runbook_register, transition
 from core.services import actor_label
 from runs import services
@@ -514,20 +513,6 @@ class RecoverForm(RunbookForm):
                                       help_text="a running run whose worker was silent this long is stuck")
 
 
-DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-MAX_DURATION_S = 3650 * 86400  # ten years: silence beyond that is a typo
-
-
-def duration_s(value: str) -> int:
-    match = re.fullmatch(r"\s*(\d{1,12})\s*([smhd]?)\s*", value or "")
-    if not match:
-        raise CommandError(f"--older-than {value!r}: give a duration such as 90, 90s, 5m, 2h or 1d")
-    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2)]
-    if seconds > MAX_DURATION_S:
-        raise CommandError(f"--older-than {value!r}: at most 3650d")
-    return seconds
-
-
 def _recover_arguments(parser) -> None:
     parser.add_argument("--older-than", help="silence that makes a run stuck: 90, 90s, 5m, 2h, 1d "
                                              "(default: ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S)")
@@ -538,7 +523,7 @@ def _recover_arguments(parser) -> None:
 def _recover_options(options: dict) -> dict:
     older_than = options["older_than"]
     return {"older_than_s": settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S if older_than is None
-            else duration_s(older_than)}
+            else duration_s(older_than, option="--older-than")}
 
 
 RUN_RECOVER = RunRunbook(

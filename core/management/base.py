@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import re
 import sys
 from contextlib import contextmanager
 
@@ -106,6 +107,21 @@ def positive_id(value: str) -> int:
     if number <= 0 or number > MAX_ID:
         raise argparse.ArgumentTypeError(f"{value!r} is not an id (a whole number from 1 to {MAX_ID})")
     return number
+
+
+DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_S = 3650 * 86400  # ten years: silence beyond that is a typo
+
+
+def duration_s(value: str, *, option: str) -> int:
+    """A duration argument (``90``, ``90s``, ``5m``, ``2h``, ``1d``) in seconds, or ``CommandError``."""
+    match = re.fullmatch(r"\s*(\d{1,12})\s*([smhd]?)\s*", value or "")
+    if not match:
+        raise CommandError(f"{option} {value!r}: give a duration such as 90, 90s, 5m, 2h or 1d")
+    seconds = int(match.group(1)) * DURATION_UNITS[match.group(2)]
+    if seconds > MAX_DURATION_S:
+        raise CommandError(f"{option} {value!r}: at most 3650d")
+    return seconds
 
 
 def whole_number(low: int, high: int):
