@@ -57,7 +57,7 @@ LEDGER_SERIES = "ledger_entries"
 LEDGER_WATERMARK = "_ledger_watermark"
 WORKERS_LISTED = 50
 
-# Waiting jobs as the queue caps count them (``jobs.services._waiting_depth``).
+# Waiting jobs as the queue caps count them (``jobs.services.enqueue._waiting_depth``).
 WAITING_STATES = ("received", "queued", "awaiting_tool", "awaiting_user_confirmation")
 CLAIMABLE_STATES = ("queued", "awaiting_tool")
 
