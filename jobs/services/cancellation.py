@@ -8,10 +8,10 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import JobConflict
-from core.services import audit_record
+from core.services import audit_record, row_lock
 from jobs.models import TERMINAL_JOB_STATES, Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import PROGRESS_EVENT, _after_commit_hook, _current, _emit, _lock, _move
+from jobs.services.common import PROGRESS_EVENT, _after_commit_hook, _current, _emit, _move
 
 
 def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
@@ -20,7 +20,7 @@ def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
     completed or failed → ``JobConflict`` (terminal states are immutable).
     """
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if job.state == JobState.CANCELLED:
             return job
         if job.state in TERMINAL_JOB_STATES:
@@ -49,7 +49,7 @@ def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
 def job_mark_cancelled(*, job_id: int, attempt: int, reason: str = JobReason.CANCELLED) -> bool:
     """The worker stopped a cancelled job cooperatively: executing → cancelled."""
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if not _current(job, attempt):
             return False
         _move(job, JobState.CANCELLED, reason=reason, extra={"cancelReason": job.cancel_reason})

@@ -11,9 +11,9 @@ from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
-from core.errors import JobConflict, NotFound, ValidationFailed
+from core.errors import JobConflict, ValidationFailed
 from core.metrics import metric_observation, metric_sample, metrics_add
-from core.services import event_record, transition_log
+from core.services import event_record, row_lock, transition_log
 from jobs.models import TERMINAL_JOB_STATES, Job, JobState
 from jobs.registry import JobDefinition
 
@@ -116,18 +116,11 @@ def job_transition(*, job_id: int, target: str, reason: str = "") -> Job:
     if target not in JobState.values:
         raise ValidationFailed("unknown job state", errors={"state": [f"{target!r} is not a job state"]})
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if job.state == target and target in TERMINAL_JOB_STATES:
             return job
         _move(job, target, reason=reason)
         return job
-
-
-def _lock(job_id: int) -> Job:
-    try:
-        return Job.objects.select_for_update().get(pk=job_id)
-    except (Job.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"job {job_id} does not exist") from exc
 
 
 def _after_commit_hook(definition: JobDefinition, hook_name: str, job: Job) -> None:

@@ -9,16 +9,16 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.services import audit_record
+from core.services import audit_record, row_lock
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import _after_commit_hook, _current, _lock, _move, _wake
+from jobs.services.common import _after_commit_hook, _current, _move, _wake
 
 
 def job_progress(*, job_id: int, attempt: int, progress: dict) -> bool:
     """Record progress of the current attempt (executing → executing) and renew its lease."""
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if not _current(job, attempt):
             return False
         job.progress = progress
@@ -30,7 +30,7 @@ def job_progress(*, job_id: int, attempt: int, progress: dict) -> bool:
 def job_complete(*, job_id: int, attempt: int, result: Any = None, reason: str = JobReason.COMPLETED) -> bool:
     """executing → completed with ``result``. A stale attempt's result is discarded (False)."""
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if not _current(job, attempt):
             return False
         job.result = result
@@ -48,7 +48,7 @@ def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, 
     or ``discarded`` for a stale attempt.
     """
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if not _current(job, attempt):
             return "discarded"
         definition = definition_get(job.type)
@@ -78,7 +78,7 @@ def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, 
 def job_fail(*, job_id: int, reason: str, error: str, actor=None, audit_reason: str = "") -> Job:
     """Fail a non-terminal job now with ``reason`` (invalid payload, operator runbook ...)."""
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if job.state == JobState.FAILED:
             return job
         before = job.state

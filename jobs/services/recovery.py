@@ -9,16 +9,16 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import JobConflict
-from core.services import audit_record
+from core.services import audit_record, row_lock
 from jobs.models import ACTIVE_JOB_STATES, WAITING_JOB_STATES, Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import _after_commit_hook, _lock, _move, _wake
+from jobs.services.common import _after_commit_hook, _move, _wake
 
 
 def job_requeue(*, job_id: int, actor=None, reason: str = "") -> Job:
     """Runbook: put a stuck executing job back to wait (executing → awaiting_tool, now)."""
     with transaction.atomic():
-        job = _lock(job_id)
+        job = row_lock(Job, job_id, entity="job")
         if job.state in WAITING_JOB_STATES:
             return job
         if job.state != JobState.EXECUTING:
