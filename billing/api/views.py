@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins
 from rest_framework.response import Response
 
@@ -11,7 +11,7 @@ from billing.api.serializers import BalanceSerializer, LedgerEntrySerializer
 from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.api.base import ApiView, ApiViewSet
-from core.api.schema import errors
+from core.api.schema import errors, list_retrieve_schema
 from core.api.tenancy import VisibleIdFilter, visible_get, visible_organizations
 
 
@@ -34,11 +34,8 @@ class LedgerFilter(filters.FilterSet):
         fields = ["organization", "run", "kind"]
 
 
-@extend_schema_view(
-    list=extend_schema(summary="Ledger entries of the caller's organizations (by run, kind)",
-                       responses={200: LedgerEntrySerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A ledger entry", responses={200: LedgerEntrySerializer, **errors("not_found")}),
-)
+@list_retrieve_schema(LedgerEntrySerializer, list_summary="Ledger entries of the caller's organizations (by run, kind)",
+                      retrieve_summary="A ledger entry")
 class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = LedgerEntry.objects.order_by("-id")
     serializer_class = LedgerEntrySerializer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from drf_spectacular import openapi
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 
@@ -100,3 +100,15 @@ class AutoSchema(openapi.AutoSchema):
             new = [part for part in response.description.split(" | ") if part not in description]
             bodies[code]["description"] = " | ".join(filter(None, [description, *new]))
         return dict(sorted(bodies.items()))
+
+
+def list_retrieve_schema(serializer, *, list_summary: str, retrieve_summary: str, item_serializer=None, **actions):
+    """``extend_schema_view`` of a viewset that lists (filtered: ``validation_error``, ``not_found``)
+    and retrieves (``not_found``) ``serializer`` rows; ``actions`` describe its other actions."""
+    return extend_schema_view(
+        list=extend_schema(summary=list_summary,
+                           responses={200: serializer(many=True), **errors("validation_error", "not_found")}),
+        retrieve=extend_schema(summary=retrieve_summary,
+                               responses={200: item_serializer or serializer, **errors("not_found")}),
+        **actions,
+    )

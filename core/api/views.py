@@ -11,7 +11,7 @@ from rest_framework import mixins
 from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
-from core.api.schema import errors
+from core.api.schema import errors, list_retrieve_schema
 from core.api.serializers import OrganizationSerializer, PingSerializer, ProjectSerializer
 from core.api.tenancy import VisibleIdFilter, visible_organizations
 from core.models import Organization, Project
@@ -39,11 +39,8 @@ class ProjectFilter(filters.FilterSet):
         fields = ["organization"]
 
 
-@extend_schema_view(
-    list=extend_schema(summary="Projects of the caller's organizations",
-                       responses={200: ProjectSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A project", responses={200: ProjectSerializer, **errors("not_found")}),
-)
+@list_retrieve_schema(ProjectSerializer, list_summary="Projects of the caller's organizations",
+                      retrieve_summary="A project")
 class ProjectViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Project.objects.order_by("id")
     serializer_class = ProjectSerializer

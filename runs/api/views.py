@@ -7,7 +7,7 @@ the service, serialize. Domain errors become responses in ``core.api.exceptions`
 from __future__ import annotations
 
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -16,7 +16,7 @@ from rest_framework.response import Response
 from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_of_every_organization, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
-from core.api.schema import ERROR_CODES, errors
+from core.api.schema import ERROR_CODES, errors, list_retrieve_schema
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
@@ -85,11 +85,9 @@ class RunEventQuerySerializer(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=500, default=100)
 
 
-@extend_schema_view(
-    list=extend_schema(summary="Runs of the caller's organizations",
-                       responses={200: RunSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="A run: status, attempt, credits, counts, last error",
-                           responses={200: RunDetailSerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    RunSerializer, list_summary="Runs of the caller's organizations",
+    retrieve_summary="A run: status, attempt, credits, counts, last error", item_serializer=RunDetailSerializer,
     destroy=extend_schema(summary="Delete a run that was never started",
                           responses={204: None, **errors("not_found", "invalid_transition")}),
 )
@@ -262,12 +260,8 @@ class EscalationFilter(filters.FilterSet):
         fields = ["status", "run"]
 
 
-@extend_schema_view(
-    list=extend_schema(summary="Escalation tickets of the caller's organizations",
-                       responses={200: EscalationSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(summary="An escalation ticket", responses={200: EscalationSerializer,
-                                                                      **errors("not_found")}),
-)
+@list_retrieve_schema(EscalationSerializer, list_summary="Escalation tickets of the caller's organizations",
+                      retrieve_summary="An escalation ticket")
 class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = EscalationTicket.objects.select_related("acknowledged_by", "resolved_by").order_by("-id")
     serializer_class = EscalationSerializer
