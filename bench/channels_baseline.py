@@ -1,4 +1,4 @@
-"""A bare Channels consumer for bench/events.py's baseline (routed only with ORCHESTRATOR_BENCH=1).
+"""A bare Channels consumer for bench/events.py's baseline (routed only by ``bench.asgi``).
 
 Clients connect to ``/ws/bench/`` and join the group ``bench``; a client sending
 ``{"fire": n, "rate": r}`` makes this process ``group_send`` n messages at r per second, each

@@ -28,9 +28,8 @@ from bench._common import percentile, scratch_database  # noqa: E402
 
 
 def start_daphne(port: int, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "ORCHESTRATOR_BENCH": "1"}
     process = subprocess.Popen([sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
-                                "orchestrator_site.asgi:application"], cwd=BASE, env=env,
+                                "bench.asgi:application"], cwd=BASE, env=dict(os.environ),
                                stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     time.sleep(2.5)
     return process

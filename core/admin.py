@@ -7,8 +7,8 @@ from core.admin_runbooks import recent_filter
 from core.models import AuditRecord, Event, Membership, Organization, Project
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Lists and shows rows; adding, changing and deleting go through services only."""
+class ReadOnlyPermissions:
+    """No one adds, changes or deletes these rows from the admin: services do."""
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -20,19 +20,14 @@ class ReadOnlyAdmin(admin.ModelAdmin):
         return False
 
 
-class ReadOnlyInline(admin.TabularInline):
+class ReadOnlyAdmin(ReadOnlyPermissions, admin.ModelAdmin):
+    """Lists and shows rows; adding, changing and deleting go through services only."""
+
+
+class ReadOnlyInline(ReadOnlyPermissions, admin.TabularInline):
     extra = 0
     can_delete = False
     show_change_link = True
-
-    def has_add_permission(self, request, obj=None):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 class MembershipInline(ReadOnlyInline):

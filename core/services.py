@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Model
 
 from core.errors import NotFound, ValidationFailed
 from core.models import AuditRecord, Event, Organization, Project
@@ -37,6 +38,19 @@ def event_record(
 # may use for them.
 TRANSITION_KEYS = ("entity", "type", "project_id", "run_id", "attempt", "from", "to", "reason")
 TRANSITION_ALIASES = {"project": "project_id", "run": "run_id", "organization": "organization_id"}
+
+
+def row_lock(model: type[Model], pk: Any, *, entity: str, related: tuple[str, ...] = ()) -> Model:
+    """The ``model`` row with primary key ``pk``, locked until the transaction ends
+    (``SELECT ... FOR UPDATE``), with ``related`` joined in. A missing row or a malformed key
+    raises ``NotFound`` ("<entity> <pk> does not exist")."""
+    rows = model.objects.select_for_update()
+    if related:
+        rows = rows.select_related(*related)
+    try:
+        return rows.get(pk=pk)
+    except (model.DoesNotExist, ValueError, TypeError) as exc:
+        raise NotFound(f"{entity} {pk} does not exist") from exc
 
 
 def transition_fields(fields: dict[str, Any]) -> dict[str, Any]:

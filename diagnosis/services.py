@@ -17,7 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import DomainError, NotFound, QueueFull
-from core.services import event_record, transition_log
+from core.services import event_record, row_lock, transition_log
 from diagnosis.analysis import SuggestionResult, engine_decision, run_version
 from diagnosis.models import Explanation, Suggestion
 from jobs.models import WAITING_JOB_STATES, Job, JobState
@@ -80,13 +80,6 @@ def _emit_explanation(explanation: Explanation, *, project_id: int, headline: st
     event_record(type=EXPLANATION_EVENT, organization_id=explanation.organization_id, project_id=project_id,
                  run_id=explanation.run_id, payload=payload)
     transition_log(entity="explanation", id=explanation.stable_id, run=explanation.run_id, to=explanation.status)
-
-
-def _lock_explanation(explanation_id: int) -> Explanation:
-    try:
-        return Explanation.objects.select_for_update().select_related("run").get(pk=explanation_id)
-    except (Explanation.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"explanation {explanation_id} does not exist") from exc
 
 
 class ExplainBacklogFull(QueueFull):
@@ -188,7 +181,7 @@ def explanation_finish(*, explanation_id: int, text: str, facts: dict, job_id: i
     """explaining → final with the computed text and facts (final → final replaces them: an
     upsert under the stable id, so a job that runs twice leaves one row). A summarized
     explanation stays as it is."""
-    explanation = _lock_explanation(explanation_id)
+    explanation = row_lock(Explanation, explanation_id, entity="explanation", related=("run",))
     if explanation.status == Explanation.Status.SUMMARY:
         return explanation
     explanation.finish()
@@ -206,7 +199,7 @@ def explanation_finish(*, explanation_id: int, text: str, facts: dict, job_id: i
 def explanation_summarize(*, explanation_id: int, summary: str) -> Explanation:
     """explaining → summary: a one-line account of why there is no explanation. Final or already
     summarized: unchanged."""
-    explanation = _lock_explanation(explanation_id)
+    explanation = row_lock(Explanation, explanation_id, entity="explanation", related=("run",))
     if explanation.status != Explanation.Status.EXPLAINING:
         return explanation
     explanation.summarize()
@@ -304,17 +297,10 @@ def suggestion_request(*, run_id: int, actor=None) -> SuggestionRequested:
                                    else "already_queued")
 
 
-def _lock_suggestion(suggestion_id: int) -> Suggestion:
-    try:
-        return Suggestion.objects.select_for_update().select_related("run").get(pk=suggestion_id)
-    except (Suggestion.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"suggestion {suggestion_id} does not exist") from exc
-
-
 @transaction.atomic
 def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Suggestion:
     """pending → ready with the computed action, text and facts. Already ended: unchanged."""
-    suggestion = _lock_suggestion(suggestion_id)
+    suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
     if suggestion.status != Suggestion.Status.PENDING:
         return suggestion
     suggestion.complete()
@@ -330,7 +316,7 @@ def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Sugg
 @transaction.atomic
 def suggestion_fail(*, suggestion_id: int, summary: str) -> Suggestion:
     """pending → failed with a one-line summary. Already ended: unchanged."""
-    suggestion = _lock_suggestion(suggestion_id)
+    suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
     if suggestion.status != Suggestion.Status.PENDING:
         return suggestion
     suggestion.fail()

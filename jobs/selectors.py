@@ -163,7 +163,7 @@ def _claim_ahead_q(job: Job) -> Q:
 
 def _aged_q(now) -> Q:
     """Background jobs that waited past the aging guard in a lane that ran its interactive burst:
-    ``job_claim`` takes these first, oldest first (the same test as ``jobs.services._pick``)."""
+    ``job_claim`` takes these first, oldest first (the same test as ``jobs.services.claim._pick``)."""
     aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
     saturated = JobLane.objects.filter(interactive_streak__gte=settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST)
     return Q(priority_class=PriorityClass.BACKGROUND, queued_at__lte=aging, lane__in=Subquery(saturated.values("key")))

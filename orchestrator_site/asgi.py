@@ -16,12 +16,14 @@ from django.urls import path  # noqa: E402
 from core.consumers import EventConsumer  # noqa: E402
 
 websocket_routes = [path("ws/events/", EventConsumer.as_asgi())]
-if os.environ.get("ORCHESTRATOR_BENCH") == "1":  # bench/events.py's bare-Channels baseline
-    from bench.channels_baseline import BenchConsumer
 
-    websocket_routes.append(path("ws/bench/", BenchConsumer.as_asgi()))
 
-application = ProtocolTypeRouter({
-    "http": django_asgi_app,
-    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_routes))),
-})
+def application_for(routes: list) -> ProtocolTypeRouter:
+    """The site's protocol router over these WebSocket routes (HTTP is Django's)."""
+    return ProtocolTypeRouter({
+        "http": django_asgi_app,
+        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(routes))),
+    })
+
+
+application = application_for(websocket_routes)

@@ -8,12 +8,13 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
+from core.errors import Conflict, InvalidTransition, ValidationFailed
 from core.services import audit_record, event_record, transition_log
 from runs.models import (
     ApprovalRequest,
     Run,
 )
+from runs.services.common import _lock_run
 from runs.services.lifecycle import run_resume
 from runs.substates import StatusReason, SubState
 
@@ -42,10 +43,7 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
         errors["approval_ref"] = ["required"]
     if errors:
         raise ValidationFailed("invalid approval", errors=errors)
-    try:
-        run = Run.objects.select_for_update().get(pk=run_id)
-    except (Run.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"run {run_id} does not exist") from exc
+    run = _lock_run(run_id)
     used = ApprovalRequest.objects.filter(approval_ref=approval_ref).first()
     if used is not None:
         if used.run_id == run.pk and used.gate == gate and used.attempt_number == run.attempt_number:

@@ -14,10 +14,9 @@ from django_fsm import can_proceed
 
 from core.errors import (
     InvalidTransition,
-    NotFound,
 )
 from core.metrics import metric_sample, metrics_add
-from core.services import audit_record, event_record, transition_log
+from core.services import audit_record, event_record, row_lock, transition_log
 from runs.models import (
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
@@ -56,10 +55,7 @@ def _dispatch_after_commit(run_id: int) -> None:
 
 
 def _lock_run(run_id: int) -> Run:
-    try:
-        return Run.objects.select_for_update().get(pk=run_id)
-    except (Run.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"run {run_id} does not exist") from exc
+    return row_lock(Run, run_id, entity="run")
 
 
 def _snapshot(run: Run) -> dict[str, Any]:

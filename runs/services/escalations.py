@@ -13,8 +13,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
-from core.errors import InvalidTransition, NotFound, ValidationFailed
-from core.services import audit_record, event_record, transition_log
+from core.errors import InvalidTransition, ValidationFailed
+from core.services import audit_record, event_record, row_lock, transition_log
 from runs.models import EscalationTicket, Run, StepAttempt
 
 ERROR_WINDOW = timedelta(minutes=5)
@@ -71,17 +71,10 @@ def escalation_add_detail(*, ticket: EscalationTicket, detail: str) -> Escalatio
     return ticket
 
 
-def _lock_ticket(ticket_id: int) -> EscalationTicket:
-    try:
-        return EscalationTicket.objects.select_for_update().select_related("run").get(pk=ticket_id)
-    except (EscalationTicket.DoesNotExist, ValueError, TypeError) as exc:
-        raise NotFound(f"escalation {ticket_id} does not exist") from exc
-
-
 @transaction.atomic
 def escalation_acknowledge(*, ticket_id: int, actor, reason: str = "") -> EscalationTicket:
     """open → acknowledged. Already acknowledged: no-op."""
-    ticket = _lock_ticket(ticket_id)
+    ticket = row_lock(EscalationTicket, ticket_id, entity="escalation", related=("run",))
     if ticket.status == EscalationTicket.Status.ACKNOWLEDGED:
         return ticket
     if not can_proceed(ticket.acknowledge):
@@ -104,7 +97,7 @@ def escalation_resolve(*, ticket_id: int, actor, reason: str) -> EscalationTicke
     """open|acknowledged → resolved with a resolution note. Already resolved: no-op."""
     if not (reason or "").strip():
         raise ValidationFailed("a resolution is required", errors={"reason": ["must not be empty"]})
-    ticket = _lock_ticket(ticket_id)
+    ticket = row_lock(EscalationTicket, ticket_id, entity="escalation", related=("run",))
     if ticket.status == EscalationTicket.Status.RESOLVED:
         return ticket
     before = ticket.status

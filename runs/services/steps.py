@@ -192,6 +192,18 @@ def _outcome_of_settled(attempt: StepAttempt, step: Step) -> StepOutcome:
     return StepOutcome("replayed", step.pk)
 
 
+def _attempt_to_settle(attempt_id: int) -> tuple[Run, StepAttempt, Step, StepOutcome | None]:
+    """The attempt under its run's lock, with the outcome to answer at once when its result
+    cannot apply: already settled (replayed or discarded), or stale (discarded now)."""
+    run, attempt, step = _load_attempt(attempt_id)
+    if attempt.outcome != StepAttempt.Outcome.RUNNING:
+        return run, attempt, step, _outcome_of_settled(attempt, step)
+    if not _attempt_is_current(run, attempt, step):
+        _discard(attempt)
+        return run, attempt, step, StepOutcome("discarded", step.pk)
+    return run, attempt, step, None
+
+
 def _discard(attempt: StepAttempt) -> None:
     if attempt.outcome == StepAttempt.Outcome.RUNNING:
         attempt.outcome = StepAttempt.Outcome.DISCARDED
@@ -212,12 +224,9 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     A late result (run cancelled or failed, step retried meanwhile) is discarded. A cost past
     the attempt's reservation fails the step with ``credit_limit_exceeded`` (not retryable).
     """
-    run, attempt, step = _load_attempt(attempt_id)
-    if attempt.outcome != StepAttempt.Outcome.RUNNING:
-        return _outcome_of_settled(attempt, step)
-    if not _attempt_is_current(run, attempt, step):
-        _discard(attempt)
-        return StepOutcome("discarded", step.pk)
+    run, attempt, step, early = _attempt_to_settle(attempt_id)
+    if early is not None:
+        return early
     run_attempt = _current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
@@ -245,12 +254,9 @@ def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bo
     """Record a failed attempt (its cost is charged). Retryable with tries left → the step waits
     out seed 001's backoff; otherwise the step fails and the failure propagates by failure mode.
     """
-    run, attempt, step = _load_attempt(attempt_id)
-    if attempt.outcome != StepAttempt.Outcome.RUNNING:
-        return _outcome_of_settled(attempt, step)
-    if not _attempt_is_current(run, attempt, step):
-        _discard(attempt)
-        return StepOutcome("discarded", step.pk)
+    run, attempt, step, early = _attempt_to_settle(attempt_id)
+    if early is not None:
+        return early
     return _attempt_failed(run, attempt, step, code=code or "error", message=message or code, retryable=retryable,
                            charge=True)
 

@@ -16,6 +16,7 @@ from runs import services
 from runs.services import escalations
 from runs.pipeline import gates
 from runs.models import EscalationTicket, Run, Step
+from tests.api.conftest import other, tenant, tenant_factory  # noqa: F401  (fixtures, for the retention tests)
 from tests.conftest import make_plan
 
 VIEW_APPS = ("core", "billing", "jobs", "runs")

@@ -1,4 +1,5 @@
-"""The runbook commands: onboarding, top-ups, the invariant check and the demo seed.
+"""The runbook commands: top-ups, the invariant check and the demo seed (onboarding and
+``run_console`` are tested under tests/console/).
 
 Commands parse arguments and call one service; a domain error becomes a ``CommandError``
 with a readable message, never a traceback.
@@ -17,7 +18,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import DatabaseError, connection, transaction
 
-from billing.models import CreditAccount, LedgerEntry
+from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.models import AuditRecord, Membership, Organization, Project
 from runs import services
@@ -35,64 +36,6 @@ def run_command(name: str, *args: str) -> str:
 
 def run_json(name: str, *args: str) -> dict:
     return json.loads(run_command(name, *args))
-
-
-# --- create_organization --------------------------------------------------------------------
-
-@pytest.mark.django_db
-def test_create_organization_creates_owner_project_and_account_and_prints_ids():
-    data = run_json("create_organization", "Acme", "--owner", "alice", "--credits", "500")
-
-    organization = Organization.objects.get(name="Acme")
-    project = Project.objects.get(organization=organization)
-    owner = get_user_model().objects.get(username="alice")
-    assert data == {"organization": organization.pk, "project": project.pk, "owner": owner.pk,
-                    "owner_username": "alice", "owner_created": True, "credits": 500}
-    assert project.name == "default"
-    assert Membership.objects.get(organization=organization, user=owner).role == Membership.Role.OWNER
-    assert not owner.has_usable_password() and not owner.is_staff
-    assert account_balance(organization_id=organization.pk) == {
-        "organization": organization.pk, "balance": 500, "reserved": 0, "available": 500}
-    entry = LedgerEntry.objects.get(organization=organization)
-    assert (entry.kind, entry.amount, entry.run_id) == ("topup", 500, None)
-    assert invariants_check() == []
-
-
-@pytest.mark.django_db
-def test_create_organization_without_credits_opens_an_empty_account_for_an_existing_user():
-    owner = get_user_model().objects.create_user(username="bob")
-    data = run_json("create_organization", "Bobs", "--owner", "bob", "--staff")
-    assert (data["owner"], data["owner_created"], data["credits"]) == (owner.pk, False, 0)
-    owner.refresh_from_db()
-    assert owner.is_staff
-    account = CreditAccount.objects.get(organization_id=data["organization"])
-    assert (account.balance, account.reserved) == (0, 0)
-    assert not LedgerEntry.objects.filter(organization_id=data["organization"]).exists()
-
-
-@pytest.mark.django_db
-def test_create_organization_refuses_a_duplicate_name_with_a_clear_message():
-    run_command("create_organization", "Acme", "--owner", "alice", "--credits", "10")
-    with pytest.raises(CommandError) as raised:
-        run_command("create_organization", "Acme", "--owner", "carol", "--credits", "10")
-    assert str(raised.value) == "validation_error: invalid organization (name: organization 'Acme' already exists)"
-    assert Organization.objects.filter(name="Acme").count() == 1
-    assert not get_user_model().objects.filter(username="carol").exists()
-    assert LedgerEntry.objects.count() == 1
-
-
-@pytest.mark.django_db
-@pytest.mark.parametrize(("args", "message"), [
-    (["Neg", "--owner", "dave", "--credits=-5"], "--credits: '-5' is out of range"),
-    (["  ", "--owner", "dave"], "name: must not be empty"),
-    (["Blank", "--owner", " "], "owner: must not be empty"),
-    (["NoOwner"], "the following arguments are required: --owner"),
-])
-def test_create_organization_refuses_bad_input(args, message):
-    with pytest.raises(CommandError, match=message):
-        run_command("create_organization", *args)
-    assert not Organization.objects.exists()
-    assert not get_user_model().objects.filter(username="dave").exists()
 
 
 # --- topup_credits --------------------------------------------------------------------------
@@ -276,152 +219,6 @@ def test_seed_demo_leaves_an_existing_user_as_it_is(settings):
     assert result["password"] is None and "already existed" in result["note"]
     assert not any("user" in line for line in result["created"])
     assert Organization.objects.filter(name="Demo Org").exists()  # the rest of the demo is seeded
-
-
-# --- run_console (no real processes: children, signals and sleep are faked) --------------------
-
-class FakeChild:
-    """A child process that exits with ``code`` after ``polls`` polls (never, when ``polls`` is None)."""
-
-    def __init__(self, args: list[str], polls: int | None, code: int) -> None:
-        self.args, self.pid, self.returncode, self.signals = args, 0, None, []
-        self._polls_left, self._code = polls, code
-
-    def poll(self):
-        if self.returncode is None and self._polls_left is not None:
-            self._polls_left -= 1
-            if self._polls_left < 0:
-                self.returncode = self._code
-        return self.returncode
-
-    def send_signal(self, signum) -> None:
-        self.signals.append(signum)
-        self.returncode = -signum
-
-    def wait(self, timeout=None):
-        return self.returncode
-
-
-@pytest.fixture
-def console(monkeypatch):
-    import signal as real_signal
-    import subprocess as real_subprocess
-    import time as real_time
-    from types import SimpleNamespace
-
-    from console.management.commands import run_console
-
-    state = {"children": {}, "exits": {}, "handlers": {}, "on_sleep": lambda: None}
-
-    def popen(args, **kwargs):
-        name = next((n for n in ("qcluster", "demo_stream") if n in args), "daphne")
-        polls, code = state["exits"].get(name, (None, 0))
-        state["children"][name] = FakeChild(args, polls, code)
-        return state["children"][name]
-
-    monkeypatch.setattr(run_console, "subprocess", SimpleNamespace(
-        Popen=popen, TimeoutExpired=real_subprocess.TimeoutExpired))
-    monkeypatch.setattr(run_console, "signal", SimpleNamespace(
-        signal=lambda signum, handler: state["handlers"].__setitem__(signum, handler),
-        SIGINT=real_signal.SIGINT, SIGTERM=real_signal.SIGTERM, SIGKILL=real_signal.SIGKILL))
-    monkeypatch.setattr(run_console, "time", SimpleNamespace(
-        sleep=lambda seconds: state["on_sleep"](), monotonic=real_time.monotonic))
-    monkeypatch.setattr(run_console.os, "killpg", lambda pid, signum: pytest.fail("nothing should need SIGKILL"))
-    return state
-
-
-@pytest.mark.django_db
-def test_run_console_stops_both_children_on_ctrl_c(console):
-    import signal
-
-    console["on_sleep"] = lambda: console["handlers"][signal.SIGINT](signal.SIGINT, None)
-    out = StringIO()
-    call_command("run_console", "--host", "0.0.0.0", "--port", "9000", stdout=out, stderr=StringIO())
-
-    daphne, cluster = console["children"]["daphne"], console["children"]["qcluster"]
-    assert daphne.args[1:] == ["-m", "daphne", "-b", "0.0.0.0", "-p", "9000", "orchestrator_site.asgi:application"]
-    assert cluster.args[-1] == "qcluster"
-    assert daphne.signals == cluster.signals == [signal.SIGTERM]
-    assert "http://0.0.0.0:9000/admin/ (daphne, qcluster)" in out.getvalue()
-    assert "demo_stream" not in console["children"]
-    assert out.getvalue().rstrip().endswith("stopped")
-
-
-def test_run_console_demo_adds_the_demo_stream_and_leaves_silent_runs_to_operators(console, monkeypatch):
-    import os
-    import signal
-
-    monkeypatch.delenv("ORCHESTRATOR_RUN_AUTO_RECOVER", raising=False)
-    monkeypatch.delenv("ORCHESTRATOR_TRANSITION_LOG_LEVEL", raising=False)
-    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
-    out = StringIO()
-    call_command("run_console", "--demo", stdout=out, stderr=StringIO())
-
-    stream = console["children"]["demo_stream"]
-    assert stream.args[-1] == "demo_stream" and stream.signals == [signal.SIGTERM]
-    assert "(daphne, qcluster, demo_stream)" in out.getvalue()
-    assert os.environ["ORCHESTRATOR_RUN_AUTO_RECOVER"] == "0"  # inherited by every child
-    assert os.environ["ORCHESTRATOR_TRANSITION_LOG_LEVEL"] == "WARNING"
-
-
-def test_run_console_exits_with_the_code_of_a_child_that_died(console):
-    import signal
-
-    console["exits"]["daphne"] = (2, 3)  # daphne dies on its third poll with exit code 3
-    out, err = StringIO(), StringIO()
-    with pytest.raises(SystemExit) as raised:
-        call_command("run_console", stdout=out, stderr=err)
-
-    assert raised.value.code == 3
-    assert "daphne exited with code 3; stopping" in err.getvalue()
-    assert console["children"]["qcluster"].signals == [signal.SIGTERM]  # the survivor is stopped
-    assert console["children"]["daphne"].signals == []
-
-
-@pytest.mark.django_db
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]", "192.168.1.20", "10.0.0.5", "no-such-host.invalid"])
-def test_run_console_refuses_a_network_address_while_the_demo_login_has_its_default_password(console, host):
-    run_json("seed_demo")  # operator / operator
-    with pytest.raises(CommandError, match="demo login 'operator' still has its default password"):
-        call_command("run_console", "--host", host, stdout=StringIO(), stderr=StringIO())
-    assert console["children"] == {}  # nothing started
-
-
-@pytest.mark.django_db
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
-def test_run_console_serves_the_demo_login_on_loopback(console, host):
-    import signal
-
-    run_json("seed_demo")
-    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
-    call_command("run_console", "--host", host, stdout=StringIO(), stderr=StringIO())
-    assert "daphne" in console["children"]
-
-
-@pytest.mark.django_db
-def test_run_console_serves_the_network_once_the_demo_password_is_changed(console, monkeypatch):
-    import signal
-
-    monkeypatch.setenv("DEMO_USERNAME", "demo-admin")
-    run_json("seed_demo", "--username", "demo-admin", "--password", "operator")
-    with pytest.raises(CommandError, match="'demo-admin'"):
-        call_command("run_console", "--host", "0.0.0.0", stdout=StringIO(), stderr=StringIO())
-    user = get_user_model().objects.get(username="demo-admin")
-    user.set_password("a long unguessable passphrase")
-    user.save()
-    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
-    call_command("run_console", "--host", "0.0.0.0", stdout=StringIO(), stderr=StringIO())
-    assert "daphne" in console["children"]
-
-
-def test_run_console_without_workers_serves_only(console):
-    import signal
-
-    console["on_sleep"] = lambda: console["handlers"][signal.SIGTERM](signal.SIGTERM, None)
-    out = StringIO()
-    call_command("run_console", "--no-workers", stdout=out, stderr=StringIO())
-    assert list(console["children"]) == ["daphne"]
-    assert "/admin/ (daphne); Ctrl-C" in out.getvalue()
 
 
 # --- every runbook has a test ---------------------------------------------------------------

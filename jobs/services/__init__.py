@@ -1,0 +1,57 @@
+"""The only writers of jobs: enqueue, claim, complete, fail, cancel, recover.
+
+Every service locks the job row before changing it and moves the state only through the
+FSM transitions of ``jobs.models.Job`` (seed 000's matrix). A result or failure reported for
+an attempt that is no longer current (the job was cancelled, recovered or finished meanwhile)
+is discarded, never applied. django-q2 messages are sent only after commit.
+
+By concern:
+- ``common``: the job's API form, the move that writes a transition (FSM check, metric rows,
+  transition log, event), the row lock, the definition hooks run after commit, the wake-up;
+  ``job_transition``.
+- ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe.
+- ``claim``: ``job_claim``, ``jobs_eligible``, ``jobs_claim_order`` (the claim SQL is built once
+  per process), lanes and concurrency slots.
+- ``outcomes``: ``job_progress``, ``job_complete``, ``job_fail_attempt`` (the retry decision), ``job_fail``.
+- ``cancellation``: ``job_cancel``, ``job_mark_cancelled``, ``job_cancel_requested``,
+  ``jobs_enforce_interrupt_timeouts``.
+- ``recovery``: ``job_requeue``, ``job_renew_lease``, ``jobs_recover_expired``, ``jobs_enforce_deadlines``.
+"""
+
+from jobs.services.cancellation import (
+    job_cancel,
+    job_cancel_requested,
+    job_mark_cancelled,
+    jobs_enforce_interrupt_timeouts,
+)
+from jobs.services.claim import job_claim, jobs_claim_order, jobs_eligible, organization_max_executing
+from jobs.services.common import EVENT_NAMES, PROGRESS_EVENT, job_as_dict, job_transition
+from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
+from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress
+from jobs.services.recovery import job_renew_lease, job_requeue, jobs_enforce_deadlines, jobs_recover_expired
+
+__all__ = [
+    "EVENT_NAMES",
+    "PROGRESS_EVENT",
+    "EnqueueResult",
+    "job_as_dict",
+    "job_cancel",
+    "job_cancel_requested",
+    "job_claim",
+    "job_complete",
+    "job_enqueue",
+    "job_fail",
+    "job_fail_attempt",
+    "job_mark_cancelled",
+    "job_progress",
+    "job_renew_lease",
+    "job_requeue",
+    "job_transition",
+    "jobs_claim_order",
+    "jobs_eligible",
+    "jobs_enforce_deadlines",
+    "jobs_enforce_interrupt_timeouts",
+    "jobs_recover_expired",
+    "organization_max_executing",
+    "organization_max_waiting",
+]

@@ -1,0 +1,147 @@
+"""What every job service shares: the job's API form, the move that writes a transition
+(FSM check, timestamps, metric rows, transition log, event), the row lock, the after-commit
+definition hooks and the worker wake-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+from django_fsm import can_proceed
+
+from core.errors import JobConflict, ValidationFailed
+from core.metrics import metric_observation, metric_sample, metrics_add
+from core.services import event_record, row_lock, transition_log
+from jobs.models import TERMINAL_JOB_STATES, Job, JobState
+from jobs.registry import JobDefinition
+
+EVENT_NAMES = {
+    JobState.QUEUED: "orchestrator_job_queued",
+    JobState.EXECUTING: "orchestrator_job_started",
+    JobState.COMPLETED: "orchestrator_job_completed",
+    JobState.FAILED: "orchestrator_job_failed",
+    JobState.CANCELLED: "orchestrator_job_canceled",
+}
+PROGRESS_EVENT = "orchestrator_job_progress"
+
+
+def job_as_dict(job: Job) -> dict[str, Any]:
+    """A job in seed 003's field names (API resources and event payloads)."""
+    data = {
+        "jobId": job.pk,
+        "projectId": job.project_id,
+        "jobType": job.type,
+        "state": job.state,
+        "reason": job.reason,
+        "priority": job.priority_class,
+        "lane": job.lane,
+        "attempts": job.attempts,
+        "maxAttempts": job.max_attempts,
+        "createdAt": job.created_at.isoformat() if job.created_at else None,
+        "startedAt": job.started_at.isoformat() if job.started_at else None,
+        "completedAt": job.completed_at.isoformat() if job.completed_at else None,
+        "error": job.error or None,
+        "result": job.result,
+    }
+    if job.source_session_id:
+        data["sourceSessionId"] = job.source_session_id
+    if job.thread_id:
+        data["threadId"] = job.thread_id
+    if job.run_id:
+        data["runId"] = job.run_id
+    return data
+
+
+def _emit(job: Job, event_type: str, extra: dict | None = None) -> None:
+    payload = job_as_dict(job)
+    payload.update(extra or {})
+    event_record(type=event_type, organization_id=job.organization_id, project_id=job.project_id, run_id=job.run_id,
+                 payload=payload)
+
+
+def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: dict | None = None) -> None:
+    """Apply ``current → target`` through the FSM or raise ``JobConflict``."""
+    before = job.state
+    method = getattr(job, f"to_{target}")
+    if not can_proceed(method):
+        raise JobConflict(entity="job", entity_id=job.pk, current=job.state, requested=target)
+    method()
+    now = timezone.now()
+    job.reason = reason
+    if target in TERMINAL_JOB_STATES:
+        job.completed_at = now
+        job.active_dedupe_key = None
+    if target != JobState.EXECUTING:
+        job.slot = None
+        job.organization_slot = None
+        job.lease_expires_at = None
+    job.save()
+    _move_metrics(job, before, target)
+    transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
+                   attempt=job.attempts, **{"from": before, "to": target}, reason=reason)
+    if emit:
+        event_type = EVENT_NAMES.get(target, PROGRESS_EVENT) if before != target else PROGRESS_EVENT
+        _emit(job, event_type, extra)
+
+
+def _move_metrics(job: Job, before: str, target: str) -> None:
+    """The queue's counters for one move (``core.metrics``), in the move's transaction."""
+    if before == target:
+        return
+    samples = []
+    if target == JobState.EXECUTING:
+        samples.append(metric_sample("job_attempts", type=job.type))
+        if job.attempts > 1:
+            samples.append(metric_sample("job_retries", type=job.type))
+        elif job.started_at and (job.queued_at or job.created_at):
+            samples.append(metric_observation("job_wait_seconds",
+                                              (job.started_at - (job.queued_at or job.created_at)).total_seconds(),
+                                              type=job.type, priority=job.priority_class))
+    elif target in TERMINAL_JOB_STATES:
+        samples.append(metric_sample("job_finished", type=job.type, state=target, reason=job.reason))
+        if job.started_at and job.completed_at:
+            samples.append(metric_observation("job_run_seconds", (job.completed_at - job.started_at).total_seconds(),
+                                              type=job.type, state=target))
+    metrics_add(samples)
+
+
+def job_transition(*, job_id: int, target: str, reason: str = "") -> Job:
+    """Move a job to ``target`` under its row lock, following seed 000's matrix exactly.
+
+    A self-transition of a terminal state is a no-op; every move outside the matrix raises
+    ``JobConflict`` and changes nothing.
+    """
+    if target not in JobState.values:
+        raise ValidationFailed("unknown job state", errors={"state": [f"{target!r} is not a job state"]})
+    with transaction.atomic():
+        job = row_lock(Job, job_id, entity="job")
+        if job.state == target and target in TERMINAL_JOB_STATES:
+            return job
+        _move(job, target, reason=reason)
+        return job
+
+
+def _after_commit_hook(definition: JobDefinition, hook_name: str, job: Job) -> None:
+    hook = getattr(definition, hook_name)
+    if hook is None:
+        return
+    job_id = job.pk
+
+    def call():
+        fresh = Job.objects.filter(pk=job_id).first()
+        if fresh is not None:
+            hook(fresh)
+
+    transaction.on_commit(call)
+
+
+def _wake() -> None:
+    from jobs.wake import wake_workers
+
+    wake_workers()
+
+
+def _current(job: Job, attempt: int) -> bool:
+    return job.state == JobState.EXECUTING and job.attempts == attempt

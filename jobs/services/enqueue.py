@@ -1,0 +1,155 @@
+"""Enqueueing: caps on waiting jobs (per project, per organization, in all) and dedupe."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from core.errors import QueueDisabled, QueueFull, ValidationFailed
+from core.metrics import metric_sample, metrics_add
+from core.models import Organization, Project
+from core.services import audit_record, transition_log
+from core.tracing import traced, tracing_traceparent
+from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
+from jobs.registry import JobDefinition, definition_get
+from jobs.services.common import EVENT_NAMES, PROGRESS_EVENT, _after_commit_hook, _emit, _wake
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    job: Job
+    dedupe: str  # enqueued | already_queued | dropped | merged
+
+
+def organization_max_waiting() -> int:
+    """``ORCHESTRATOR_QUEUE_ORG_MAX_WAITING``, or when 0 half the global cap (at least the project's)."""
+    return (settings.ORCHESTRATOR_QUEUE_ORG_MAX_WAITING
+            or max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL // 2))
+
+
+def _waiting_depth(**filters) -> int:
+    return Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING_JOB_STATES,
+                                          JobState.AWAITING_USER_CONFIRMATION], **filters).count()
+
+
+def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
+    job = result.job
+    return {"job_id": job.pk, "job_type": job.type, "run_id": job.run_id, "organization_id": job.organization_id,
+            "project_id": job.project_id, "dedupe": result.dedupe}
+
+
+@traced("job enqueue", result_attributes=_enqueued_attributes)
+def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session_id: str = "", thread_id: str = "",
+                run_id: int | None = None, priority: int | None = None, not_before=None,
+                actor=None) -> EnqueueResult:
+    """Queue a job of a registered type (received → queued) and wake a worker after commit.
+
+    Dedupe is enforced by a unique constraint over active jobs: ``single_flight`` returns the
+    existing job (``already_queued``), ``drop_duplicate`` drops the new one (``dropped``),
+    ``merge_duplicate`` merges the payload into a waiting job (``merged``). ``not_before``
+    delays the job (a queued job is claimable once it has passed). The caps on waiting jobs
+    (per project, per organization, in all) raise ``QueueFull`` with a retry hint; the project's
+    and the organization's are exact (their rows are locked, project then organization). The
+    lane comes from the definition (``JobDefinition.lane_key``): an engine lane built from
+    ``project`` and ``run_id``, or a lane the payload chose inside the project's namespace.
+    Invalid input raises ``ValidationFailed``; nothing is written.
+    """
+    if not settings.ORCHESTRATOR_QUEUE_ENABLED:
+        raise QueueDisabled("the job queue is disabled (ORCHESTRATOR_QUEUE_ENABLED=false)")
+    definition = definition_get(job_type) if isinstance(job_type, str) else None
+    if definition is None:
+        raise ValidationFailed("unknown job type", errors={"type": [f"{job_type!r} is not a registered job type"]})
+    payload = definition.validated(payload)
+    lane = definition.lane_key(payload, project_id=project.pk, run_id=run_id)
+    key = definition.dedupe.key(payload, project.pk) if definition.dedupe.mode != "none" else None
+    active_key = f"{definition.type}:{key}" if key else None
+    with transaction.atomic():
+        # Serializes enqueues of one project: its cap is exact and duplicates see each other.
+        Project.objects.select_for_update().filter(pk=project.pk).first()
+        # Then of one organization (always after the project: one lock order): its cap is exact.
+        Organization.objects.select_for_update().filter(pk=project.organization_id).first()
+        if active_key:
+            existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
+            if existing is not None:
+                return _dedupe_hit(definition, existing, payload)
+        depth = _waiting_depth(project=project)
+        if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
+            raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
+                            f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
+        in_organization = _waiting_depth(organization_id=project.organization_id)
+        if in_organization >= organization_max_waiting():
+            raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
+                            f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
+        total = _waiting_depth()
+        if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
+            raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
+                            retry_after=_retry_hint(), scope="global")
+        now = timezone.now()
+        interactive = definition.priority_class == PriorityClass.INTERACTIVE
+        job = Job(
+            type=definition.type, version=definition.version, organization_id=project.organization_id,
+            project=project, priority=definition.priority if priority is None else priority,
+            priority_class=definition.priority_class, class_rank=0 if interactive else 1,
+            lane=lane, dedupe_key=key or "", active_dedupe_key=active_key,
+            payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
+            timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
+            thread_id=thread_id or (source_session_id or ""), run_id=run_id, traceparent=tracing_traceparent(),
+            deadline_at=now + timedelta(milliseconds=definition.deadline_ms) if definition.deadline_ms else None,
+        )
+        job.queued_at = now
+        job.not_before = not_before
+        job.to_queued()  # received → queued, checked by the FSM; the row is inserted once, queued
+        try:
+            if active_key:
+                with transaction.atomic():
+                    job.save()
+            else:
+                job.save()
+        except IntegrityError:
+            # A concurrent enqueue of the same dedupe key won: answer with it.
+            existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
+            if existing is None:
+                raise
+            return _dedupe_hit(definition, existing, payload)
+        transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
+                       **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
+        metrics_add([metric_sample("jobs_enqueued", type=job.type)])
+        _emit(job, EVENT_NAMES[JobState.QUEUED])
+        if job.lane:
+            JobLane.objects.get_or_create(key=job.lane)
+        if actor is not None:
+            audit_record(actor=actor, action="job_enqueue", target_type="job", target_id=job.pk,
+                         organization_id=job.organization_id, run_id=run_id, after={"type": job.type})
+        _after_commit_hook(definition, "on_queued", job)
+        transaction.on_commit(_wake)
+        return EnqueueResult(job, "enqueued")
+
+
+def _dedupe_hit(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:
+    result = _dedupe_outcome(definition, existing, payload)
+    metrics_add([metric_sample("job_dedupe_hits", type=definition.type, outcome=result.dedupe)])
+    return result
+
+
+def _dedupe_outcome(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:
+    mode = definition.dedupe.mode
+    if mode == "single_flight":
+        return EnqueueResult(existing, "already_queued")
+    if mode == "merge_duplicate" and existing.state in (JobState.RECEIVED, *WAITING_JOB_STATES):
+        existing.payload = definition.validated(definition.dedupe.merge(existing.payload, payload))
+        existing.save(update_fields=["payload", "updated_at"])
+        _emit(existing, PROGRESS_EVENT, {"merged": True})
+        return EnqueueResult(existing, "merged")
+    if mode == "merge_duplicate":
+        return EnqueueResult(existing, "already_queued")
+    return EnqueueResult(existing, "dropped")
+
+
+def _retry_hint() -> int:
+    """Seconds to wait before enqueueing again: roughly one default job duration."""
+    return max(1, min(60, settings.ORCHESTRATOR_QUEUE_DEFAULT_TIMEOUT_MS // 10_000))
