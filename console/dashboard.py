@@ -29,14 +29,11 @@ from core.models import Event
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.selectors import queue_overview
 from jobs.services import EVENT_NAMES as JOB_EVENT_NAMES
-from runs.models import EscalationTicket, Run
+from runs.models import LIVE_RUN_STATES, OPEN_ESCALATION_STATES, EscalationTicket, Run
 from runs.selectors import run_stuck_q
 
 FAILURE_WINDOW = timedelta(hours=1)
 CHART_MINUTES = 60
-LIVE_RUN_STATES = (Run.Status.CREATED, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED,
-                   Run.Status.RESUMING, Run.Status.RETRYING)
-OPEN_ESCALATION_STATES = (EscalationTicket.Status.OPEN, EscalationTicket.Status.ACKNOWLEDGED)
 CHART_EVENTS = {
     JOB_EVENT_NAMES[JobState.COMPLETED]: "jobs_completed",
     f"run_{Run.Status.COMPLETED}": "runs_completed",

@@ -21,6 +21,7 @@ from django.db.models import Count, Sum
 from django.utils import timezone
 
 from runs.models import (
+    IN_FLIGHT_RUN_STATES,
     MAX_RETRIES_PER_LEVEL,
     Agent,
     ApprovalRequest,
@@ -316,7 +317,7 @@ def _explanation_runbook(*, error: dict, decision: dict, run: Run, similar: dict
             books.append(runbook("escalate", "permanent error: retrying will fail the same way", run=run.pk))
     elif run.status == Run.Status.RUNNING and runs_heartbeat_stale().filter(pk=run.pk).exists():
         books.append(runbook("recover", "the run is running but its worker is silent", run=run.pk))
-    elif run.status in (Run.Status.RETRYING, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING):
+    elif run.status in IN_FLIGHT_RUN_STATES:
         books.append(runbook("wait", f"the failure was contained; the run is {run.status}"))
     else:
         books.append(runbook("none", f"the run is {run.status}"))
@@ -487,7 +488,7 @@ def suggestion_compute(*, run_id: int, now=None) -> SuggestionResult:
         if runs_heartbeat_stale().filter(pk=run.pk).exists():
             return done("recover", f"heartbeat silent {age} s (timeout "
                                    f"{settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S} s)")
-    if status in (Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING, Run.Status.RETRYING):
+    if status in IN_FLIGHT_RUN_STATES:
         waiting = Job.objects.filter(run_id=run.pk, state__in=[JobState.QUEUED, JobState.AWAITING_TOOL]).count()
         facts["jobs_waiting"] = waiting
         if unacknowledged:

@@ -15,6 +15,7 @@ from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, operator_permission, recent_filter
 from jobs import runbooks
 from jobs.models import (
+    NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
     AdapterCall,
     CommandRecord,
@@ -29,8 +30,6 @@ from jobs.models import (
 )
 from jobs.selectors import jobs_wait_explain
 
-# States in which a job has not started yet and "why is this waiting?" has an answer.
-NOT_STARTED_STATES = (JobState.RECEIVED, JobState.QUEUED, JobState.AWAITING_TOOL, JobState.AWAITING_USER_CONFIRMATION)
 RUN_WAITING_JOBS_LIMIT = 5
 
 
@@ -103,7 +102,7 @@ def wait_explanation_html(explanation: dict):
 
 def run_waiting_jobs_html(run_id: int):
     """"Why is this waiting?" for a run's jobs that have not started (at most five, oldest first)."""
-    jobs = list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_STATES).order_by("id")
+    jobs = list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_JOB_STATES).order_by("id")
                 [:RUN_WAITING_JOBS_LIMIT + 1])
     if not jobs:
         return "no job of this run is waiting"
@@ -114,7 +113,7 @@ def run_waiting_jobs_html(run_id: int):
         (reverse("admin:jobs_job_change", args=[job.pk]), job.pk, job.type, job.state,
          wait_explanation_html(explanations[job.pk])) for job in jobs))
     if more:
-        url = reverse("admin:jobs_job_changelist") + f"?run_id={run_id}&state__in={','.join(NOT_STARTED_STATES)}"
+        url = reverse("admin:jobs_job_changelist") + f"?run_id={run_id}&state__in={','.join(NOT_STARTED_JOB_STATES)}"
         items = format_html('{}<p><a href="{}">all waiting jobs of this run</a></p>', items, url)
     return items
 
@@ -159,7 +158,7 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     def get_fieldsets(self, request, obj=None):
         """A waiting job's page opens with why it waits; the job's fields follow."""
         fields = [name for name in self.get_fields(request, obj) if name != "wait_explanation"]
-        if obj is not None and obj.state in NOT_STARTED_STATES:
+        if obj is not None and obj.state in NOT_STARTED_JOB_STATES:
             return [("Why is this waiting?", {"fields": ["wait_explanation"]}), (None, {"fields": fields})]
         return [(None, {"fields": fields})]
 

@@ -25,6 +25,7 @@ from core.models import Organization, Project
 from core.services import audit_record, event_record, transition_log
 from jobs.models import (
     ACTIVE_JOB_STATES,
+    NOT_STARTED_JOB_STATES,
     TERMINAL_JOB_STATES,
     WAITING_JOB_STATES,
     Job,
@@ -180,8 +181,7 @@ def organization_max_executing() -> int:
 
 
 def _waiting_depth(**filters) -> int:
-    return Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING_JOB_STATES,
-                                          JobState.AWAITING_USER_CONFIRMATION], **filters).count()
+    return Job.objects.filter(state__in=NOT_STARTED_JOB_STATES, **filters).count()
 
 
 def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session_id: str = "", thread_id: str = "",

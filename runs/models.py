@@ -174,10 +174,17 @@ class Run(ConcurrentTransitionMixin, models.Model):
         )
 
 
+# The run's state groups, named once (ordered tuples where a URL or a list shows them).
 TERMINAL_RUN_STATES = frozenset({Run.Status.COMPLETED, Run.Status.CANCELLED})
 SETTLED_RUN_STATES = frozenset({Run.Status.COMPLETED, Run.Status.CANCELLED, Run.Status.FAILED})
-ACTIVE_RUN_STATES = frozenset({Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED, Run.Status.RESUMING,
-                               Run.Status.RETRYING})
+# Between start and an outcome, and not paused: a worker owes it progress.
+IN_FLIGHT_RUN_STATES = (Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING, Run.Status.RETRYING)
+ACTIVE_RUN_STATES = frozenset({*IN_FLIGHT_RUN_STATES, Run.Status.PAUSED})
+# Not ended: created or active (the dashboard's "live in all").
+LIVE_RUN_STATES = (Run.Status.CREATED, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED,
+                   Run.Status.RESUMING, Run.Status.RETRYING)
+# Before the current attempt's agents exist.
+NOT_STARTED_RUN_STATES = frozenset({Run.Status.CREATED, Run.Status.PENDING, Run.Status.RETRYING})
 
 
 class RunAttempt(models.Model):
@@ -444,6 +451,9 @@ class EscalationTicket(models.Model):
     @transition(field=status, source=[Status.OPEN, Status.ACKNOWLEDGED], target=Status.RESOLVED)
     def resolve(self):
         pass
+
+
+OPEN_ESCALATION_STATES = (EscalationTicket.Status.OPEN, EscalationTicket.Status.ACKNOWLEDGED)
 
 
 class ApprovalRequest(models.Model):

@@ -17,6 +17,7 @@ from core.errors import (
 )
 from core.services import audit_record, event_record
 from runs.models import (
+    SETTLED_RUN_STATES,
     Run,
     RunAttempt,
 )
@@ -79,7 +80,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     if not (reason or "").strip():
         raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
     run = _lock_run(run_id)
-    if run.status not in (Run.Status.COMPLETED, Run.Status.FAILED, Run.Status.CANCELLED):
+    if run.status not in SETTLED_RUN_STATES:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="refund",
                                 why="only completed, failed or cancelled runs can be refunded")
     key = idempotency_key or f"manual:{uuid.uuid4().hex}"
