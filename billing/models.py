@@ -16,11 +16,8 @@ import json
 from django.conf import settings
 from django.db import models
 
+from billing.errors import AppendOnlyViolation
 from core.models import Organization
-
-
-class AppendOnlyViolation(Exception):
-    """Raised when code tries to change or delete a ledger entry."""
 
 
 class CreditAccount(models.Model):

@@ -14,8 +14,9 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from billing.errors import InsufficientCredits
 from billing.models import CreditAccount, LedgerEntry
-from core.errors import InsufficientCredits, NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
 

@@ -16,9 +16,10 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import DomainError, NotFound, QueueFull
+from core.errors import DomainError, NotFound
 from core.services import event_record, transition_log
 from diagnosis.analysis import SuggestionResult, engine_decision, run_version
+from diagnosis.errors import ExplainBacklogFull
 from diagnosis.models import Explanation, Suggestion
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.services import job_as_dict, job_enqueue
@@ -87,10 +88,6 @@ def _lock_explanation(explanation_id: int) -> Explanation:
         return Explanation.objects.select_for_update().select_related("run").get(pk=explanation_id)
     except (Explanation.DoesNotExist, ValueError, TypeError) as exc:
         raise NotFound(f"explanation {explanation_id} does not exist") from exc
-
-
-class ExplainBacklogFull(QueueFull):
-    """Explanations are best effort: they may take a quarter of a project's queue, never the run's share."""
 
 
 def explain_backlog_cap() -> int:

@@ -19,10 +19,11 @@ from django.db.models import Count, F, Q, Subquery
 from django.utils import timezone
 from django_fsm import can_proceed
 
-from core.errors import JobConflict, NotFound, QueueDisabled, QueueFull, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.metrics import metric_observation, metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, event_record, transition_log
+from jobs.errors import JobConflict, QueueDisabled, QueueFull
 from jobs.models import (
     ACTIVE_JOB_STATES,
     NOT_STARTED_JOB_STATES,

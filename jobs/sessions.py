@@ -31,9 +31,10 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from core.errors import NotFound, SystemSessionRefused, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import Project
 from core.services import audit_record, event_record, transition_log
+from jobs.errors import SystemSessionRefused
 from jobs.models import Job, WorkerSession, WorkerSessionStatus
 from jobs.registry import FatalJobError, JobDefinition, RetryableJobError
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.errors import CommandConflict, ValidationFailed
+from core.errors import ValidationFailed
 from core.models import Project
 from jobs.commands.services import command_execute
 from jobs.commands.validation import WRITE_COMMANDS, command_args_validate, idempotency_key_errors
+from jobs.errors import CommandConflict
 from jobs.models import CommandKind
 from jobs.registry import Dedupe, JobDefinition, RetryPolicy, classify_default, register
 

@@ -24,11 +24,12 @@ from typing import Any, Callable
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import CommandConflict, DomainError, ValidationFailed
+from core.errors import ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
+from jobs.errors import CommandConflict, CommandFailed
 from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import JobCancelled, JobTimeout, classify_default
 from jobs.tools import ToolCancelled, ToolContext, classify_exception, tool_get
@@ -37,20 +38,6 @@ logger = logging.getLogger("orchestrator.commands")
 
 # Interruptions of the worker, not outcomes of the command: the record stays ``recorded``.
 INTERRUPTIONS = (JobTimeout, JobCancelled)
-
-
-class CommandFailed(DomainError):
-    """The adapter or tool failed the command. ``retryable`` failures leave it replayable."""
-
-    code = "command_failed"
-    status = 422
-
-    def __init__(self, detail: str, *, reason: str, retryable: bool, command_id: int | None = None) -> None:
-        super().__init__(detail, reason=reason, retryable=retryable, command_id=command_id)
-        self.reason = reason
-        self.retryable = retryable  # read by jobs.registry.classify_default
-        if retryable:
-            self.status = 503
 
 
 @dataclass(frozen=True)

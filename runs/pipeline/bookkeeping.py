@@ -14,8 +14,8 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import Conflict
 from core.services import event_record
+from runs.errors import DriftUnacknowledged, PipelineKeyInUse
 from runs.models import (
     DriftRecord,
     GateReceipt,
@@ -37,18 +37,6 @@ SEED_PHASE_SOFT_CAP_MINUTES = {
     "structural_verify": 2, "leg_b_record": 5, "write_verify": 5, "lifecycle_enact": 15, "closeout": 5,
 }
 RUN_HARD_CAP_MINUTES = 60
-
-
-class PipelineKeyInUse(Conflict):
-    """A phase's idempotency key is held by another run (void that run to release it)."""
-
-    code = "pipeline_key_in_use"
-
-
-class DriftUnacknowledged(Conflict):
-    """The run stopped on drift that no operator has acknowledged yet."""
-
-    code = "drift_unacknowledged"
 
 
 def drift_open(run: Run):

@@ -8,28 +8,15 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
+from core.errors import InvalidTransition, NotFound, ValidationFailed
 from core.services import audit_record, event_record, transition_log
+from runs.errors import ApprovalNotPending, ApprovalReused
 from runs.models import (
     ApprovalRequest,
     Run,
 )
 from runs.services.lifecycle import run_resume
 from runs.substates import StatusReason, SubState
-
-
-class ApprovalReused(Conflict):
-    code = "approval_reused"
-
-
-class ApprovalNotPending(Conflict):
-    code = "approval_not_pending"
-
-
-class ApprovalRequired(Conflict):
-    """The run waits for an approval: resuming it needs the gate's approval reference."""
-
-    code = "approval_required"
 
 
 @transaction.atomic

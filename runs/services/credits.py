@@ -8,10 +8,10 @@ import uuid
 
 from django.db import transaction
 
+from billing.errors import CreditLimitExceeded
 from billing.models import LedgerEntry
 from billing.services import ledger_charge, ledger_refund, ledger_reserve
 from core.errors import (
-    CreditLimitExceeded,
     InvalidTransition,
     ValidationFailed,
 )

@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
 from core.services import actor_label, audit_record, event_record, transition_log
+from runs.errors import ApprovalRequired, DriftNotPending
 from runs.models import (
     ContextPin,
     DriftRecord,
@@ -34,23 +35,11 @@ from runs.pipeline.bookkeeping import (
 )
 from runs.pipeline.checks import CheckContext, CheckResult, check_evaluate
 from runs.pipeline.pins import Drift, pins_current, pins_drift, pins_values
-from runs.services.approvals import ApprovalRequired, approval_grant
+from runs.services.approvals import approval_grant
 from runs.services.common import _lock_run
 from runs.services.lifecycle import run_pause, run_resume
 from runs.services.steps import StepOutcome, step_attempt_abandon
 from runs.substates import GATE_DIMENSION, StatusReason, SubState, status_reason
-
-
-class DriftNotPending(Conflict):
-    """There is no unacknowledged drift on the run."""
-
-    code = "drift_not_pending"
-
-
-class DriftDetected(Conflict):
-    """Resuming found drift: the run stays stopped as ``stopped_drift:<dimension>``."""
-
-    code = "drift_detected"
 
 
 @transaction.atomic

@@ -11,14 +11,15 @@ from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
+from billing.errors import InsufficientCredits
 from billing.selectors import account_balance
 from core.errors import (
-    InsufficientCredits,
     InvalidTransition,
     ValidationFailed,
 )
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
+from runs.errors import RunNotStuck
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -176,12 +177,6 @@ def run_fail(*, run_id: int, code: str, message: str, actor=None, reason: str = 
 
 
 HEARTBEAT_TIMEOUT_CODE = "heartbeat_timeout"
-
-
-class RunNotStuck(InvalidTransition):
-    """The run is running and its worker is alive (or its work waits in the queue): nothing to recover."""
-
-    code = "run_not_stuck"
 
 
 @transaction.atomic

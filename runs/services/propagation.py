@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from core.errors import (
-    InsufficientCredits,
-)
+from billing.errors import InsufficientCredits
 from core.services import event_record, transition_log
 from runs.models import (
     LIVE_NODE_STATES,

@@ -12,11 +12,12 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from billing.errors import CreditLimitExceeded
 from core.errors import (
-    CreditLimitExceeded,
     InvalidTransition,
     NotFound,
 )
+from jobs.tools import tool_get
 from runs.models import (
     DONE_NODE_STATES,
     Agent,
@@ -39,7 +40,6 @@ from runs.services.common import (
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
-from jobs.tools import tool_get
 
 
 def step_backoff_ms(tries_done: int, *, rng: random.Random | None = None) -> int:

@@ -13,14 +13,15 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from core.errors import CommandConflict, NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import AuditRecord, Event
+from jobs import tools
 from jobs.commands import selectors
 from jobs.commands.adapters import DatabaseAdapter, ExecutionAdapter, adapter_get
 from jobs.commands.services import CommandFailed, command_execute
 from jobs.commands.validation import payload_hash
+from jobs.errors import CommandConflict
 from jobs.executor import job_run_claimed
-from jobs.registry import JobCancelled
 from jobs.models import (
     AdapterCall,
     CommandRecord,
@@ -31,8 +32,8 @@ from jobs.models import (
     JobState,
     Order,
 )
+from jobs.registry import JobCancelled
 from jobs.services import job_claim, job_enqueue
-from jobs import tools
 
 COMMAND_EVENTS = ("command_recorded", "command_succeeded", "command_failed")
 
