@@ -20,6 +20,7 @@ from core.errors import DomainError, NotFound
 from core.services import event_record, transition_log
 from diagnosis.analysis import SuggestionResult, engine_decision, run_version
 from diagnosis.errors import ExplainBacklogFull
+from diagnosis.events import EXPLANATION_EVENT, SUGGESTION_EVENT
 from diagnosis.models import Explanation, Suggestion
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.services import job_as_dict, job_enqueue
@@ -29,8 +30,6 @@ logger = logging.getLogger("orchestrator.diagnosis")
 
 FAILURE_EXPLAIN = "failure_explain"
 SUGGEST_ACTION = "suggest_action"
-EXPLANATION_EVENT = "diagnosis_explanation"
-SUGGESTION_EVENT = "diagnosis_suggestion"
 PLACEHOLDER_TEXT = "explaining…"
 SUMMARY_MAX_CHARS = 300
 EXPLAIN_BACKLOG_MAX = 25  # waiting failure_explain jobs per project, at most

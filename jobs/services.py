@@ -24,6 +24,7 @@ from core.metrics import metric_observation, metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, event_record, transition_log
 from jobs.errors import JobConflict, QueueDisabled, QueueFull
+from jobs.events import JOB_PROGRESS, JOB_QUEUED, JOB_STATE_EVENTS
 from jobs.models import (
     ACTIVE_JOB_STATES,
     NOT_STARTED_JOB_STATES,
@@ -36,15 +37,6 @@ from jobs.models import (
     PriorityClass,
 )
 from jobs.registry import JobDefinition, definition_get
-
-EVENT_NAMES = {
-    JobState.QUEUED: "orchestrator_job_queued",
-    JobState.EXECUTING: "orchestrator_job_started",
-    JobState.COMPLETED: "orchestrator_job_completed",
-    JobState.FAILED: "orchestrator_job_failed",
-    JobState.CANCELLED: "orchestrator_job_canceled",
-}
-PROGRESS_EVENT = "orchestrator_job_progress"
 
 
 @dataclass(frozen=True)
@@ -108,7 +100,7 @@ def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: 
     transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                    attempt=job.attempts, **{"from": before, "to": target}, reason=reason)
     if emit:
-        event_type = EVENT_NAMES.get(target, PROGRESS_EVENT) if before != target else PROGRESS_EVENT
+        event_type = JOB_STATE_EVENTS.get(target, JOB_PROGRESS) if before != target else JOB_PROGRESS
         _emit(job, event_type, extra)
 
 
@@ -260,7 +252,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
         transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
                        **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
         metrics_add([metric_sample("jobs_enqueued", type=job.type)])
-        _emit(job, EVENT_NAMES[JobState.QUEUED])
+        _emit(job, JOB_QUEUED)
         if job.lane:
             JobLane.objects.get_or_create(key=job.lane)
         if actor is not None:
@@ -284,7 +276,7 @@ def _dedupe_outcome(definition: JobDefinition, existing: Job, payload: dict) -> 
     if mode == "merge_duplicate" and existing.state in (JobState.RECEIVED, *WAITING_JOB_STATES):
         existing.payload = definition.validated(definition.dedupe.merge(existing.payload, payload))
         existing.save(update_fields=["payload", "updated_at"])
-        _emit(existing, PROGRESS_EVENT, {"merged": True})
+        _emit(existing, JOB_PROGRESS, {"merged": True})
         return EnqueueResult(existing, "merged")
     if mode == "merge_duplicate":
         return EnqueueResult(existing, "already_queued")
@@ -537,7 +529,7 @@ def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
             if job.cancel_requested_at is None:
                 job.cancel_requested_at = timezone.now()
                 job.save(update_fields=["cancel_requested_at", "cancel_reason", "updated_at"])
-                _emit(job, PROGRESS_EVENT, {"cancelRequested": True, "cancelReason": job.cancel_reason})
+                _emit(job, JOB_PROGRESS, {"cancelRequested": True, "cancelReason": job.cancel_reason})
         else:
             job.cancel_requested_at = job.cancel_requested_at or timezone.now()
             _move(job, JobState.CANCELLED, reason=JobReason.CANCELLED, extra={"cancelReason": job.cancel_reason})

@@ -30,6 +30,7 @@ from core.services import actor_label, audit_record, event_record, transition_lo
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
 from jobs.errors import CommandConflict, CommandFailed
+from jobs.events import COMMAND_FAILED, COMMAND_RECORDED, COMMAND_SUCCEEDED
 from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import JobCancelled, JobTimeout, classify_default
 from jobs.tools import ToolCancelled, ToolContext, classify_exception, tool_get
@@ -149,7 +150,7 @@ def _command_record(*, project: Project, kind: str, key: str, args: dict, digest
         record.attempts += 1
         record.save(update_fields=["attempts", "updated_at"])
         if created:
-            _emit(record, "command_recorded", project.organization_id)
+            _emit(record, COMMAND_RECORDED, project.organization_id)
             if actor is not None:
                 audit_record(actor=actor, action="command_execute", target_type="command", target_id=record.pk,
                              organization_id=project.organization_id,
@@ -171,7 +172,7 @@ def _command_succeed(*, record_id: int, organization_id: int, result: Any) -> Co
         record.error_code = ""
         record.completed_at = timezone.now()
         record.save()
-        _emit(record, "command_succeeded", organization_id)
+        _emit(record, COMMAND_SUCCEEDED, organization_id)
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status})
         return record
@@ -189,7 +190,7 @@ def _command_fail(*, record_id: int, organization_id: int, code: str, message: s
             record.status = CommandStatus.FAILED
             record.completed_at = timezone.now()
         record.save()
-        _emit(record, "command_failed", organization_id, {"final": final, "retryable": not final})
+        _emit(record, COMMAND_FAILED, organization_id, {"final": final, "retryable": not final})
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status}, reason=code)
         return record

@@ -11,6 +11,7 @@ from django.utils import timezone
 from core.errors import InvalidTransition, NotFound, ValidationFailed
 from core.services import audit_record, event_record, transition_log
 from runs.errors import ApprovalNotPending, ApprovalReused
+from runs.events import APPROVAL_GRANTED
 from runs.models import (
     ApprovalRequest,
     Run,
@@ -59,7 +60,7 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
     transition_log(entity="approval", id=request.pk, project=run.project_id, run=run.pk,
                    attempt=request.attempt_number, gate=gate, **{"from": ApprovalRequest.Status.PENDING,
                                                                  "to": request.status}, reason=reason)
-    event_record(type="approval_granted", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=APPROVAL_GRANTED, organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
                                          "approval_ref": approval_ref})
     audit_record(actor=actor, action="approve_gate", target_type="run", target_id=run.pk,

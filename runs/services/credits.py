@@ -16,6 +16,7 @@ from core.errors import (
     ValidationFailed,
 )
 from core.services import audit_record, event_record
+from runs.events import RUN_REFUNDED
 from runs.models import (
     SETTLED_RUN_STATES,
     Run,
@@ -117,7 +118,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     run.credits_charged -= amount
     run.credits_refunded += amount
     run.save(update_fields=["credits_charged", "credits_refunded", "updated_at"])
-    event_record(type="run_refunded", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_REFUNDED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "amount": amount, "reason": reason})
     audit_record(actor=actor, action="run_refund", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

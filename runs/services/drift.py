@@ -20,6 +20,7 @@ from django.utils import timezone
 from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
 from core.services import actor_label, audit_record, event_record, transition_log
 from runs.errors import ApprovalRequired, DriftNotPending
+from runs.events import RUN_DRIFT_ACKNOWLEDGED, RUN_STOPPED
 from runs.models import (
     ContextPin,
     DriftRecord,
@@ -83,7 +84,7 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
                                       provider=pin.provider, args=pin.args, value=drift.live, source="acknowledged",
                                       recorded_at=now, recorded_by=user, actor_label=label, reason=reason)
     summary = [{"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]
-    event_record(type="run_drift_acknowledged", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=RUN_DRIFT_ACKNOWLEDGED, organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
     audit_record(actor=actor, action="acknowledge_drift", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
@@ -232,6 +233,6 @@ def _stop_reason(run: Run, reason: str) -> None:
         return
     run.status_reason = reason[:200]
     run.save(update_fields=["status_reason", "updated_at"])
-    event_record(type="run_stopped", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_STOPPED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
 

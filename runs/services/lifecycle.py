@@ -20,6 +20,7 @@ from core.errors import (
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from runs.errors import RunNotStuck
+from runs.events import RUN_DELETED
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -356,7 +357,7 @@ def run_delete(*, run_id: int, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     run.deleted_at = timezone.now()
     run.save(update_fields=["deleted_at", "updated_at"])
-    event_record(type="run_deleted", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_DELETED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "reason": reason})
     audit_record(actor=actor, action="run_delete", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

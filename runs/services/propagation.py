@@ -8,6 +8,7 @@ from django.db import transaction
 
 from billing.errors import InsufficientCredits
 from core.services import event_record, transition_log
+from runs.events import RUN_REPLANNED, RUN_RETRY_REFUSED
 from runs.models import (
     LIVE_NODE_STATES,
     MAX_RETRIES_PER_LEVEL,
@@ -139,7 +140,7 @@ def _replan(run: Run) -> bool:
     _spawn_agents(run, specs, first_sequence=next_sequence)
     run.replan_count += 1
     run.save(update_fields=["replan_count", "updated_at"])
-    event_record(type="run_replanned", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
                           "new_agents": [spec["name"] for spec in specs]})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
@@ -167,7 +168,7 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
                 _retry_locked(run, reason=f"automatic retry after {code}")
         except InsufficientCredits as exc:
             run.refresh_from_db()
-            event_record(type="run_retry_refused", organization_id=run.organization_id, project_id=run.project_id,
+            event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
                          run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
 
 
