@@ -20,6 +20,8 @@ from django.conf import settings
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from jobs.registry import BACKOFF_CAP_MS, backoff_uncapped_ms
+from runs.events import RUN_REPLANNED
 from runs.models import (
     IN_FLIGHT_RUN_STATES,
     MAX_RETRIES_PER_LEVEL,
@@ -38,8 +40,6 @@ from runs.substates import StatusReason, SubState
 SIMILAR_WINDOW = timedelta(hours=24)
 SIMILAR_LISTED = 10  # run ids and project names listed at most
 RECURRING_THRESHOLD = 5  # this many similar failures in the window: escalate as well
-STEP_BACKOFF_BASE_MS = 100
-STEP_BACKOFF_CAP_MS = 30_000
 
 # Error classes: (class, label, retryable by nature). Codes are matched exactly, then by prefix.
 ERROR_CLASSES: dict[str, tuple[str, str]] = {
@@ -138,7 +138,7 @@ def _iso(value) -> str | None:
 
 def backoff_schedule_ms(max_tries: int) -> list[int]:
     """Seed 001 §6.1's nominal waits before tries 2, 3 ... (±10 % jitter in practice)."""
-    return [min(STEP_BACKOFF_BASE_MS * 2 ** n, STEP_BACKOFF_CAP_MS) for n in range(max(0, max_tries - 1))]
+    return [min(backoff_uncapped_ms(retry), BACKOFF_CAP_MS) for retry in range(1, max(1, max_tries))]
 
 
 # --- explaining a failed step attempt ------------------------------------------------------
@@ -253,7 +253,7 @@ def _replan_of(run: Run, agent: Agent) -> dict | None:
 
     if not run.replan_count:
         return None
-    for payload in Event.objects.filter(run_id=run.pk, type="run_replanned").values_list("payload", flat=True):
+    for payload in Event.objects.filter(run_id=run.pk, type=RUN_REPLANNED).values_list("payload", flat=True):
         if agent.name in (payload.get("failed_agents") or []):
             return payload
     return None

@@ -30,8 +30,6 @@ from runs.errors import (  # noqa: F401
 )
 from runs.services.common import (  # noqa: F401
     RUN_DISPATCHERS,
-    STEP_BACKOFF_BASE_MS,
-    STEP_BACKOFF_CAP_MS,
     STEP_FAILURE_HOOKS,
     _lock_run,
 )

@@ -17,6 +17,7 @@ from core.errors import (
     NotFound,
 )
 from core.services import audit_record, event_record, transition_log
+from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
@@ -33,12 +34,6 @@ from runs.models import (
     Task,
 )
 from runs.pipeline import bookkeeping
-
-STEP_BACKOFF_BASE_MS = 100
-
-
-STEP_BACKOFF_CAP_MS = 30_000
-
 
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
 # The execution engine registers itself here; nothing is called when none is registered.
@@ -109,7 +104,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if run.last_error_code:
         payload["error"] = {"code": run.last_error_code, "message": run.last_error}
     payload.update(extra or {})
-    event_record(type=f"run_{run.status}", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
@@ -147,7 +142,7 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
     if node.last_error_code:
         payload["error"] = {"code": node.last_error_code, "message": node.last_error}
     payload.update(extra or {})
-    event_record(type=f"{entity}_{node.status}", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
 
 

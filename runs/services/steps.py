@@ -17,6 +17,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
+from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
     DONE_NODE_STATES,
@@ -30,8 +31,6 @@ from runs.models import (
 )
 from runs.pipeline import bookkeeping
 from runs.services.common import (
-    STEP_BACKOFF_BASE_MS,
-    STEP_BACKOFF_CAP_MS,
     STEP_FAILURE_HOOKS,
     _current_attempt,
     _lock_run,
@@ -43,10 +42,8 @@ from runs.services.propagation import _after_step_done, _after_step_failed
 
 
 def step_backoff_ms(tries_done: int, *, rng: random.Random | None = None) -> int:
-    """Seed 001 §6.1: 100 ms · 2^n, capped at 30 s, ±10 % jitter (n = failed tries so far - 1)."""
-    delay = min(STEP_BACKOFF_BASE_MS * (2 ** max(0, tries_done - 1)), STEP_BACKOFF_CAP_MS)
-    jitter = delay * 0.1 * (2 * (rng or random).random() - 1)
-    return int(delay + jitter)
+    """Seed 001 §6.1's backoff (``jobs.registry.backoff_ms``) before a step's next try (n = failed tries so far - 1)."""
+    return backoff_ms(tries_done, rng=rng)
 
 
 def _step_idempotency_key(run: Run, step: Step, number: int) -> str:
@@ -297,8 +294,8 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
         run.save(update_fields=["credits_charged", "updated_at"])
     from runs.services.escalations import escalations_evaluate
 
-    uncapped = STEP_BACKOFF_BASE_MS * (2 ** max(0, step.tries_this_round - 1)) if retryable else None
-    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=STEP_BACKOFF_CAP_MS,
+    uncapped = backoff_uncapped_ms(step.tries_this_round) if retryable else None
+    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=BACKOFF_CAP_MS,
                          retries_exhausted=retryable and step.tries_this_round >= step.max_tries)
     if retryable and step.tries_this_round < step.max_tries:
         delay = step_backoff_ms(step.tries_this_round)
