@@ -28,7 +28,7 @@ from jobs.models import (
     WorkerHeartbeat,
     WorkerSession,
 )
-from jobs.selectors import jobs_wait_explain
+from jobs.selectors import jobs_wait_explain, run_jobs_not_started
 
 RUN_WAITING_JOBS_LIMIT = 5
 
@@ -102,8 +102,7 @@ def wait_explanation_html(explanation: dict):
 
 def run_waiting_jobs_html(run_id: int):
     """"Why is this waiting?" for a run's jobs that have not started (at most five, oldest first)."""
-    jobs = list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_JOB_STATES).order_by("id")
-                [:RUN_WAITING_JOBS_LIMIT + 1])
+    jobs = run_jobs_not_started(run_id=run_id, limit=RUN_WAITING_JOBS_LIMIT + 1)
     if not jobs:
         return "no job of this run is waiting"
     more = len(jobs) > RUN_WAITING_JOBS_LIMIT

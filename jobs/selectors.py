@@ -327,3 +327,8 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         explanation["summary"] = f"Waiting: {first[0].upper()}{first[1:]}" + (
             f" (and {len(blockers) - 1} more reason{'s' if len(blockers) > 2 else ''})." if len(blockers) > 1 else ".")
     return explanation
+
+
+def run_jobs_not_started(*, run_id: int, limit: int) -> list[Job]:
+    """A run's jobs that have not started yet, oldest first (at most ``limit``)."""
+    return list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_JOB_STATES).order_by("id")[:limit])

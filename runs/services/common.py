@@ -114,10 +114,6 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
                    **{"from": before["status"], "to": run.status}, action=action, reason=reason or run.last_error_code)
 
 
-def _current_attempt(run: Run) -> RunAttempt | None:
-    return RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
-
-
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
     if attempt is None:
         return

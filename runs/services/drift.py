@@ -36,6 +36,7 @@ from runs.pipeline.bookkeeping import (
 )
 from runs.pipeline.checks import CheckContext, CheckResult, check_evaluate
 from runs.pipeline.pins import Drift, pins_current, pins_drift, pins_values
+from runs.selectors import run_last_passed_gate
 from runs.services.approvals import approval_grant
 from runs.services.common import _lock_run
 from runs.services.lifecycle import run_pause, run_resume
@@ -112,16 +113,11 @@ class ResumeResult:
     drift: list = field(default_factory=list)
 
 
-def _last_passed_gate(run: Run) -> GateReceipt | None:
-    return (GateReceipt.objects.filter(run=run, attempt_number=run.attempt_number, kind=GateReceipt.Kind.GATE,
-                                       passed=True).select_related("step").order_by("-finished_at", "-id").first())
-
-
 def _revalidate(run: Run) -> Revalidation:
     found = Revalidation(drifts=pins_drift(run))
     if found.drifts:
         return found
-    receipt = _last_passed_gate(run)
+    receipt = run_last_passed_gate(run)
     if receipt is None:
         return found
     accepted = DriftRecord.objects.filter(run=run, attempt_number=run.attempt_number,

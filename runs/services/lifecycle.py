@@ -33,10 +33,10 @@ from runs.models import (
 )
 from runs.pipeline import bookkeeping
 from runs.plan import plan_cost_estimate, plan_is_gated, plan_validate
+from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
     _close_attempt,
-    _current_attempt,
     _dispatch_after_commit,
     _duration_ms,
     _lock_run,
@@ -248,7 +248,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
 def _end_cancelled(run: Run, *, actor, reason: str) -> RunAttempt | None:
     """A run just moved to cancelled (cancel or void): end its live agents, release every credit
     not charged and stamp the end. Returns the attempt, for the caller to close."""
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     _terminate_live_nodes(run, attempt_number=run.attempt_number)
     _settle(run, attempt, actor=actor, reason=reason)
     now = timezone.now()

@@ -20,8 +20,8 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.selectors import run_current_attempt
 from runs.services.common import (
-    _current_attempt,
     _discard_open_attempts,
     _node_move,
     _spawn_agents,
@@ -37,7 +37,7 @@ from runs.services.settlement import (
 def _apply_failure_deferred_by_pause(run: Run) -> None:
     """On resume: the agent failure noted during the pause takes effect (re-plan, else the run's
     failure mode); without one, a run whose agents all finished meanwhile settles."""
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     failed = None
     if attempt is not None and attempt.error_code and not attempt.outcome:
         attempt.error_code = ""

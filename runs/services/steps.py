@@ -30,9 +30,9 @@ from runs.models import (
     Task,
 )
 from runs.pipeline import bookkeeping
+from runs.selectors import run_current_attempt
 from runs.services.common import (
     STEP_FAILURE_HOOKS,
-    _current_attempt,
     _lock_run,
     _node_event,
     _node_move,
@@ -215,7 +215,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     if not _attempt_is_current(run, attempt, step):
         _discard(attempt)
         return StepOutcome("discarded", step.pk)
-    run_attempt = _current_attempt(run)
+    run_attempt = run_current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
         try:
@@ -276,7 +276,7 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     cost = _step_cost(step, run) if charge else 0
     if cost:
         try:
-            _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+            _charge(run, run_current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
         except CreditLimitExceeded as exc:
             cost, code, message, retryable = 0, "credit_limit_exceeded", exc.detail, False
     attempt.outcome = StepAttempt.Outcome.FAILED
