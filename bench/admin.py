@@ -185,7 +185,7 @@ def seed(*, runs: int, ledger: int, out) -> dict:
     from core.services import project_create
     from jobs.models import Job
     from runs import escalations, services
-    from runs.models import Run, RunAttempt, Step
+    from runs.models import SETTLED_RUN_STATES, Run, RunAttempt, Step
 
     rng = random.Random(7)
     now = timezone.now()
@@ -238,7 +238,6 @@ def seed(*, runs: int, ledger: int, out) -> dict:
     ledger_writer = RowWriter(LedgerEntry, ["organization_id", "run_id", "attempt_number", "kind", "source",
                                             "amount", "idempotency_key", "actor_label", "reason", "balance_after",
                                             "reserved_after", "prev_hash", "entry_hash", "created_at"], now)
-    settled_states = ("completed", "failed", "cancelled")
     per_run, extra = divmod(max(0, ledger - LedgerEntry.objects.count()), runs)
     next_id = (Run.objects.order_by("-pk").values_list("pk", flat=True).first() or 0) + 1
     made = written = 0
@@ -255,7 +254,7 @@ def seed(*, runs: int, ledger: int, out) -> dict:
             created = now - timedelta(seconds=rng.randrange(30 * 86400))
             changed = min(now, created + timedelta(seconds=rng.randrange(1, 3600)))
             charged = rng.randrange(0, 100) if status not in ("created", "pending") else 0
-            settled = status in settled_states
+            settled = status in SETTLED_RUN_STATES
             reserved = 0 if status == "created" else 100
             refunded = reserved - charged if settled else 0
             code = rng.choice(ERROR_CODES) if status in ("failed", "cancelled") else ""

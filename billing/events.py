@@ -1,7 +1,21 @@
-"""The events ``billing`` writes (see ``core.asyncapi``)."""
+"""Event names the billing app writes: one per ledger entry kind (``ledger_reserve``,
+``ledger_charge``, ``ledger_refund``, ``ledger_topup`` ...).
+
+The payload schema of each event (``EVENT_MESSAGES``) is part of the AsyncAPI document of the
+events socket (``core.asyncapi``).
+"""
+
+from __future__ import annotations
 
 from billing.models import LedgerEntry
 from core.asyncapi import ID, INTEGER, STRING, EventMessage, nullable
+
+def ledger_event(kind: str) -> str:
+    """The event written with a ledger entry of ``kind``."""
+    return f"ledger_{kind}"
+
+
+# --- payload schemas -----------------------------------------------------------------------------
 
 EVENT_MESSAGES = [
     EventMessage(

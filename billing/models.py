@@ -17,11 +17,8 @@ from django.conf import settings
 from django.db import models, router
 
 from billing.chain import entry_digest, legacy_entry_digest
+from billing.errors import AppendOnlyViolation
 from core.models import Organization
-
-
-class AppendOnlyViolation(Exception):
-    """Raised when code tries to change or delete a ledger entry."""
 
 
 class CreditAccount(models.Model):

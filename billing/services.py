@@ -14,8 +14,11 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from billing.errors import InsufficientCredits
+from billing.events import ledger_event
 from billing.models import CreditAccount, LedgerEntry
-from core.errors import InsufficientCredits, NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
+from core.events import ORGANIZATION_CREATED
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
 
@@ -103,7 +106,7 @@ def _append(
     account.last_entry_hash = entry.entry_hash
     account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
     event_record(
-        type=f"ledger_{kind}",
+        type=ledger_event(kind),
         organization_id=account.organization_id,
         project_id=project_id,
         run_id=run_id,
@@ -268,7 +271,7 @@ def organization_create(*, name: str, owner_username: str, staff: bool = False, 
     Membership.objects.create(organization=organization, user=owner, role=Membership.Role.OWNER)
     project = Project.objects.create(organization=organization, name="default")
     account_open(organization=organization)
-    event_record(type="organization_created", organization_id=organization.pk,
+    event_record(type=ORGANIZATION_CREATED, organization_id=organization.pk,
                  payload={"organization": organization.pk, "name": name, "project": project.pk})
     audit_record(actor=actor, action="organization_create", target_type="organization", target_id=organization.pk,
                  organization_id=organization.pk, after={"name": name, "owner": owner_username, "project": project.pk})

@@ -26,22 +26,20 @@ from django.utils import timezone
 
 from billing.models import CreditAccount
 from core.models import Event
+from jobs.events import JOB_COMPLETED, JOB_FAILED
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.selectors import queue_overview
-from jobs.services import EVENT_NAMES as JOB_EVENT_NAMES
-from runs.models import EscalationTicket, Run
+from runs.events import run_event
+from runs.models import LIVE_RUN_STATES, OPEN_ESCALATION_STATES, EscalationTicket, Run
 from runs.selectors import run_stuck_q
 
 FAILURE_WINDOW = timedelta(hours=1)
 CHART_MINUTES = 60
-LIVE_RUN_STATES = (Run.Status.CREATED, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.PAUSED,
-                   Run.Status.RESUMING, Run.Status.RETRYING)
-OPEN_ESCALATION_STATES = (EscalationTicket.Status.OPEN, EscalationTicket.Status.ACKNOWLEDGED)
 CHART_EVENTS = {
-    JOB_EVENT_NAMES[JobState.COMPLETED]: "jobs_completed",
-    f"run_{Run.Status.COMPLETED}": "runs_completed",
-    JOB_EVENT_NAMES[JobState.FAILED]: "jobs_failed",
-    f"run_{Run.Status.FAILED}": "runs_failed",
+    JOB_COMPLETED: "jobs_completed",
+    run_event(Run.Status.COMPLETED): "runs_completed",
+    JOB_FAILED: "jobs_failed",
+    run_event(Run.Status.FAILED): "runs_failed",
 }
 WAITING_STATES_PARAM = ",".join(sorted(WAITING_JOB_STATES))
 
@@ -215,7 +213,7 @@ def dashboard_snapshot(*, now=None, limit: int = 20) -> dict[str, Any]:
         "throughput-runs-1h": _changelist("runs_run", status__exact=Run.Status.COMPLETED,
                                           status_changed_at_within="1h"),
         "failures-1h": _changelist("core_event", type__in=",".join(
-            [JOB_EVENT_NAMES[JobState.FAILED], f"run_{Run.Status.FAILED}"]), created_at_within="1h"),
+            [JOB_FAILED, run_event(Run.Status.FAILED)]), created_at_within="1h"),
     }
     return {
         "at": now.isoformat(),

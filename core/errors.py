@@ -13,6 +13,7 @@ from typing import Any
 class DomainError(Exception):
     code = "domain_error"
     status = 400
+    sends_retry_after = False  # the API sends ``extra["retry_after"]`` as a ``Retry-After`` header
 
     def __init__(self, detail: str, *, code: str | None = None, **extra: Any) -> None:
         super().__init__(detail)
@@ -63,50 +64,19 @@ class InvalidTransition(DomainError):
         self.requested = requested
 
 
-class InsufficientCredits(DomainError):
-    code = "insufficient_credits"
-    status = 402
-
-
-class CreditLimitExceeded(DomainError):
-    """A charge would take a run attempt past what it reserved."""
-
-    code = "credit_limit_exceeded"
-    status = 409
-
-
 class Conflict(DomainError):
     code = "conflict"
     status = 409
 
 
-class JobConflict(InvalidTransition):
-    """A job transition outside seed 000's matrix (terminal states are immutable)."""
+class IdempotencyKeyInUse(Conflict):
+    """The first request with this key is still running."""
 
-    code = "job_conflict"
-
-
-class QueueFull(DomainError):
-    """A per-project or global queue cap was reached; ``retry_after`` says when to try again."""
-
-    code = "queue_full"
-    status = 429
+    code = "idempotency_key_in_use"
 
 
-class QueueDisabled(DomainError):
-    code = "queue_disabled"
-    status = 503
+class IdempotencyKeyReused(DomainError):
+    """The key was used on this endpoint with another request body."""
 
-
-class CommandConflict(DomainError):
-    """The same command idempotency key was used with another payload."""
-
-    code = "command_conflict"
-    status = 409
-
-
-class SystemSessionRefused(DomainError):
-    """User operations on system-owned worker sessions are refused."""
-
-    code = "system_session"
-    status = 403
+    code = "idempotency_key_reused"
+    status = 422

@@ -1,6 +1,23 @@
-"""The events ``core`` writes (see ``core.asyncapi``)."""
+"""Event names the core writes (the ``type`` of ``core.Event`` rows), named once.
+
+Each app declares the names it writes in its own ``events.py``: ``billing.events`` (ledger),
+``jobs.events`` (jobs, worker sessions, commands), ``runs.events`` (runs, their hierarchy,
+gates, approvals, drift, caps, escalations), ``diagnosis.events``. The values are on the
+wire (event stream, WebSocket, stored rows): they never change.
+
+The payload schema of each event (``EVENT_MESSAGES``) is part of the AsyncAPI document of the
+events socket (``core.asyncapi``).
+"""
+
+from __future__ import annotations
 
 from core.asyncapi import STRING, EventMessage
+
+ORGANIZATION_CREATED = "organization_created"
+PROJECT_CREATED = "project_created"
+
+
+# --- payload schemas -----------------------------------------------------------------------------
 
 EVENT_MESSAGES = [
     EventMessage(types=("project_created",), summary="A project was created in an organization",

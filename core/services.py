@@ -9,6 +9,7 @@ from django.db import transaction
 from django.db.models import Model
 
 from core.errors import NotFound, ValidationFailed
+from core.events import PROJECT_CREATED
 from core.models import AuditRecord, Event, Organization, Project
 from core.tracing import tracing_trace_id
 
@@ -156,7 +157,7 @@ def project_create(*, organization: Organization, name: str, actor=None) -> Proj
     if Project.objects.filter(organization=organization, name=name).exists():
         raise ValidationFailed("invalid project", errors={"name": [f"project {name!r} already exists"]})
     project = Project.objects.create(organization=organization, name=name)
-    event_record(type="project_created", organization_id=organization.pk, project_id=project.pk,
+    event_record(type=PROJECT_CREATED, organization_id=organization.pk, project_id=project.pk,
                  payload={"project": project.pk, "name": name})
     audit_record(actor=actor, action="project_create", target_type="project", target_id=project.pk,
                  organization_id=organization.pk, after={"name": name})

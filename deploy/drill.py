@@ -328,6 +328,7 @@ def check_jobs(probe_ids: list[int], load_error: BaseException | None) -> list[R
     from django.db.models import Count
 
     from core.models import Event
+    from jobs.events import JOB_CANCELLED, JOB_COMPLETED, JOB_FAILED, JOB_STARTED
     from jobs.models import TERMINAL_JOB_STATES, Job, JobState
 
     rows: list[Row] = []
@@ -350,11 +351,10 @@ def check_jobs(probe_ids: list[int], load_error: BaseException | None) -> list[R
                     held=not missing and not open_jobs.exists() and lost_probes == 0 and load_error is None))
 
     # Each claim is one (job, attempt): a second "started" event for the same pair is a double claim.
-    claims = Counter(Event.objects.filter(type="orchestrator_job_started")
+    claims = Counter(Event.objects.filter(type=JOB_STARTED)
                      .values_list("payload__jobId", "payload__attempts"))
     doubled = [key for key, n in claims.items() if n > 1]
-    finished = (Event.objects.filter(type__in=["orchestrator_job_completed", "orchestrator_job_failed",
-                                               "orchestrator_job_canceled"])
+    finished = (Event.objects.filter(type__in=[JOB_COMPLETED, JOB_FAILED, JOB_CANCELLED])
                 .values("payload__jobId").annotate(n=Count("id")).filter(n__gt=1))
     detail = f"{len(claims)} claims; {len(doubled)} claimed twice; {finished.count()} jobs finished twice"
     rows.append(Row("no job claimed or finished twice", str(len(claims)), detail,

@@ -21,7 +21,10 @@ from django.db.models import Count, Sum
 from django.utils import timezone
 
 from core.runbooks import runbook_get
+from jobs.registry import BACKOFF_CAP_MS, backoff_uncapped_ms
+from runs.events import RUN_REPLANNED
 from runs.models import (
+    IN_FLIGHT_RUN_STATES,
     MAX_RETRIES_PER_LEVEL,
     Agent,
     ApprovalRequest,
@@ -38,8 +41,6 @@ from runs.substates import StatusReason, SubState
 SIMILAR_WINDOW = timedelta(hours=24)
 SIMILAR_LISTED = 10  # run ids and project names listed at most
 RECURRING_THRESHOLD = 5  # this many similar failures in the window: escalate as well
-STEP_BACKOFF_BASE_MS = 100
-STEP_BACKOFF_CAP_MS = 30_000
 
 # Error classes: (class, label, retryable by nature). Codes are matched exactly, then by prefix.
 ERROR_CLASSES: dict[str, tuple[str, str]] = {
@@ -136,7 +137,7 @@ def _iso(value) -> str | None:
 
 def backoff_schedule_ms(max_tries: int) -> list[int]:
     """Seed 001 §6.1's nominal waits before tries 2, 3 ... (±10 % jitter in practice)."""
-    return [min(STEP_BACKOFF_BASE_MS * 2 ** n, STEP_BACKOFF_CAP_MS) for n in range(max(0, max_tries - 1))]
+    return [min(backoff_uncapped_ms(retry), BACKOFF_CAP_MS) for retry in range(1, max(1, max_tries))]
 
 
 # --- explaining a failed step attempt ------------------------------------------------------
@@ -251,7 +252,7 @@ def _replan_of(run: Run, agent: Agent) -> dict | None:
 
     if not run.replan_count:
         return None
-    for payload in Event.objects.filter(run_id=run.pk, type="run_replanned").values_list("payload", flat=True):
+    for payload in Event.objects.filter(run_id=run.pk, type=RUN_REPLANNED).values_list("payload", flat=True):
         if agent.name in (payload.get("failed_agents") or []):
             return payload
     return None
@@ -315,7 +316,7 @@ def _explanation_runbook(*, error: dict, decision: dict, run: Run, similar: dict
             books.append(runbook("escalate", "permanent error: retrying will fail the same way", run=run.pk))
     elif run.status == Run.Status.RUNNING and runs_heartbeat_stale().filter(pk=run.pk).exists():
         books.append(runbook("recover", "the run is running but its worker is silent", run=run.pk))
-    elif run.status in (Run.Status.RETRYING, Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING):
+    elif run.status in IN_FLIGHT_RUN_STATES:
         books.append(runbook("wait", f"the failure was contained; the run is {run.status}"))
     else:
         books.append(runbook("none", f"the run is {run.status}"))
@@ -486,7 +487,7 @@ def suggestion_compute(*, run_id: int, now=None) -> SuggestionResult:
         if runs_heartbeat_stale().filter(pk=run.pk).exists():
             return done("recover", f"heartbeat silent {age} s (timeout "
                                    f"{settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S} s)")
-    if status in (Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING, Run.Status.RETRYING):
+    if status in IN_FLIGHT_RUN_STATES:
         waiting = Job.objects.filter(run_id=run.pk, state__in=[JobState.QUEUED, JobState.AWAITING_TOOL]).count()
         facts["jobs_waiting"] = waiting
         if unacknowledged:

@@ -1,9 +1,20 @@
-"""The events ``diagnosis`` writes (see ``core.asyncapi``)."""
+"""Event names the diagnosis app writes (the run panel listens for them).
+
+The payload schema of each event (``EVENT_MESSAGES``) is part of the AsyncAPI document of the
+events socket (``core.asyncapi``).
+"""
+
+from __future__ import annotations
 
 from core.asyncapi import ANY, ID, INTEGER, STRING, TIMESTAMP, EventMessage, nullable, ref
 from diagnosis.models import Explanation, Suggestion
-from diagnosis.services import EXPLANATION_EVENT, SUGGESTION_EVENT
 from runs.models import Run
+
+EXPLANATION_EVENT = "diagnosis_explanation"
+SUGGESTION_EVENT = "diagnosis_suggestion"
+
+
+# --- payload schemas -----------------------------------------------------------------------------
 
 SCHEMAS = {
     "Explanation": {

@@ -16,9 +16,11 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import DomainError, NotFound, QueueFull
+from core.errors import DomainError, NotFound
 from core.services import event_record, row_lock, transition_log
 from diagnosis.analysis import SuggestionResult, engine_decision, run_version
+from diagnosis.errors import ExplainBacklogFull
+from diagnosis.events import EXPLANATION_EVENT, SUGGESTION_EVENT
 from diagnosis.models import Explanation, Suggestion
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.services import job_as_dict, job_enqueue
@@ -28,8 +30,6 @@ logger = logging.getLogger("orchestrator.diagnosis")
 
 FAILURE_EXPLAIN = "failure_explain"
 SUGGEST_ACTION = "suggest_action"
-EXPLANATION_EVENT = "diagnosis_explanation"
-SUGGESTION_EVENT = "diagnosis_suggestion"
 PLACEHOLDER_TEXT = "explaining…"
 SUMMARY_MAX_CHARS = 300
 EXPLAIN_BACKLOG_MAX = 25  # waiting failure_explain jobs per project, at most
@@ -82,8 +82,6 @@ def _emit_explanation(explanation: Explanation, *, project_id: int, headline: st
     transition_log(entity="explanation", id=explanation.stable_id, run=explanation.run_id, to=explanation.status)
 
 
-class ExplainBacklogFull(QueueFull):
-    """Explanations are best effort: they may take a quarter of a project's queue, never the run's share."""
 
 
 def explain_backlog_cap() -> int:

@@ -14,6 +14,7 @@ from django.utils.html import format_html, format_html_join
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, recent_filter
 from jobs.models import (
+    NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
     AdapterCall,
     CommandRecord,
@@ -26,10 +27,8 @@ from jobs.models import (
     WorkerHeartbeat,
     WorkerSession,
 )
-from jobs.selectors import jobs_wait_explain
+from jobs.selectors import jobs_wait_explain, run_jobs_not_started
 
-# States in which a job has not started yet and "why is this waiting?" has an answer.
-NOT_STARTED_STATES = (JobState.RECEIVED, JobState.QUEUED, JobState.AWAITING_TOOL, JobState.AWAITING_USER_CONFIRMATION)
 RUN_WAITING_JOBS_LIMIT = 5
 
 
@@ -102,8 +101,7 @@ def wait_explanation_html(explanation: dict):
 
 def run_waiting_jobs_html(run_id: int):
     """"Why is this waiting?" for a run's jobs that have not started (at most five, oldest first)."""
-    jobs = list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_STATES).order_by("id")
-                [:RUN_WAITING_JOBS_LIMIT + 1])
+    jobs = run_jobs_not_started(run_id=run_id, limit=RUN_WAITING_JOBS_LIMIT + 1)
     if not jobs:
         return "no job of this run is waiting"
     more = len(jobs) > RUN_WAITING_JOBS_LIMIT
@@ -113,7 +111,7 @@ def run_waiting_jobs_html(run_id: int):
         (reverse("admin:jobs_job_change", args=[job.pk]), job.pk, job.type, job.state,
          wait_explanation_html(explanations[job.pk])) for job in jobs))
     if more:
-        url = reverse("admin:jobs_job_changelist") + f"?run_id={run_id}&state__in={','.join(NOT_STARTED_STATES)}"
+        url = reverse("admin:jobs_job_changelist") + f"?run_id={run_id}&state__in={','.join(NOT_STARTED_JOB_STATES)}"
         items = format_html('{}<p><a href="{}">all waiting jobs of this run</a></p>', items, url)
     return items
 
@@ -155,7 +153,7 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     def get_fieldsets(self, request, obj=None):
         """A waiting job's page opens with why it waits; the job's fields follow."""
         fields = [name for name in self.get_fields(request, obj) if name != "wait_explanation"]
-        if obj is not None and obj.state in NOT_STARTED_STATES:
+        if obj is not None and obj.state in NOT_STARTED_JOB_STATES:
             return [("Why is this waiting?", {"fields": ["wait_explanation"]}), (None, {"fields": fields})]
         return [(None, {"fields": fields})]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from core.errors import ValidationFailed
+from jobs.events import JOB_PROBE_EXECUTED
 from jobs.registry import Dedupe, JobDefinition, RetryPolicy, payload_lane_errors, register
 
 
@@ -48,7 +49,7 @@ def _run_probe(ctx, payload: dict):
     """Record one execution as an event (drills count them), then behave like ``noop``."""
     from core.services import event_record
 
-    event_record(type="job_probe_executed", organization_id=None, project_id=ctx.project_id,
+    event_record(type=JOB_PROBE_EXECUTED, organization_id=None, project_id=ctx.project_id,
                  payload={"jobId": ctx.job_id, "attempt": ctx.attempt, "worker": ctx.worker})
     if payload.get("fail") == "fatal":
         raise ValueError("probe: fatal failure requested")

@@ -1,9 +1,53 @@
-"""The events ``jobs`` writes (see ``core.asyncapi``): jobs (seed 003's names), commands,
-worker sessions and the drills' probe."""
+"""Event names the jobs app writes, named once.
+
+A job's events are seed 003's wire contract (``orchestrator_job_*``); its cancel event keeps
+seed 003's spelling ``orchestrator_job_canceled``, which its clients expect (our own names
+spell it "cancelled").
+
+The payload schema of each event (``EVENT_MESSAGES``) is part of the AsyncAPI document of the
+events socket (``core.asyncapi``).
+"""
+
+from __future__ import annotations
 
 from core.asyncapi import ANY, ID, INTEGER, STRING, TIMESTAMP, EventMessage, nullable
 from jobs.models import CommandKind, CommandStatus, JobState, PriorityClass, WorkerSessionStatus
-from jobs.services import EVENT_NAMES, PROGRESS_EVENT
+
+JOB_QUEUED = "orchestrator_job_queued"
+JOB_STARTED = "orchestrator_job_started"
+JOB_PROGRESS = "orchestrator_job_progress"
+JOB_COMPLETED = "orchestrator_job_completed"
+JOB_FAILED = "orchestrator_job_failed"
+JOB_CANCELLED = "orchestrator_job_canceled"  # seed 003's spelling, on the wire
+
+# The event a job's move into a state writes (any other move, and a self-transition, is progress).
+JOB_STATE_EVENTS = {
+    JobState.QUEUED: JOB_QUEUED,
+    JobState.EXECUTING: JOB_STARTED,
+    JobState.COMPLETED: JOB_COMPLETED,
+    JobState.FAILED: JOB_FAILED,
+    JobState.CANCELLED: JOB_CANCELLED,
+}
+
+JOB_PROBE_EXECUTED = "job_probe_executed"
+
+WORKER_SESSION_CREATED = "worker_session_created"
+WORKER_SESSION_REPROVISIONED = "worker_session_reprovisioned"
+WORKER_SESSION_PREFLIGHT = "worker_session_preflight"
+WORKER_SESSION_BOOTSTRAPPED = "worker_session_bootstrapped"
+
+
+def worker_session_event(status: str) -> str:
+    """The event a worker session's move into ``status`` writes (``worker_session_ready`` ...)."""
+    return f"worker_session_{status}"
+
+
+COMMAND_RECORDED = "command_recorded"
+COMMAND_SUCCEEDED = "command_succeeded"
+COMMAND_FAILED = "command_failed"
+
+
+# --- payload schemas -----------------------------------------------------------------------------
 
 # A job in seed 003's field names (``jobs.services.job_as_dict``).
 JOB_PROPERTIES = {
@@ -49,8 +93,8 @@ SESSION_REQUIRED = tuple(SESSION_PROPERTIES)
 
 EVENT_MESSAGES = [
     *(_job_message(name, JOB_SUMMARIES[state], CANCEL_REASON if state == JobState.CANCELLED else None)
-      for state, name in EVENT_NAMES.items()),
-    _job_message(PROGRESS_EVENT, "Anything else about a job: progress of the attempt, a retry scheduled "
+      for state, name in JOB_STATE_EVENTS.items()),
+    _job_message(JOB_PROGRESS, "Anything else about a job: progress of the attempt, a retry scheduled "
                                  "(`retryInMs`), a lost worker's job waiting again, a cancel requested from a "
                                  "running job, a duplicate merged into it", {
         "progress": {**ANY, "description": "what the attempt reported"},

@@ -20,7 +20,8 @@ from typing import Any
 from django.utils import timezone
 from django_q.exceptions import TimeoutException as QTimeout
 
-from core.errors import DomainError, InsufficientCredits, ValidationFailed
+from billing.errors import InsufficientCredits
+from core.errors import DomainError, ValidationFailed
 from core.tracing import traced_job
 from jobs import services
 from jobs.models import Job, JobReason

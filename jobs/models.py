@@ -39,6 +39,8 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 }
 TERMINAL_JOB_STATES = frozenset({S.COMPLETED, S.FAILED, S.CANCELLED})
 WAITING_JOB_STATES = frozenset({S.QUEUED, S.AWAITING_TOOL})  # claimable once not_before has passed
+# Not started yet: what the queue caps count as waiting, and where "why is this waiting?" has an answer.
+NOT_STARTED_JOB_STATES = (S.RECEIVED, S.QUEUED, S.AWAITING_TOOL, S.AWAITING_USER_CONFIRMATION)
 ACTIVE_JOB_STATES = frozenset(set(JobState.values) - set(TERMINAL_JOB_STATES))
 
 

@@ -33,6 +33,25 @@ DEDUPE_MODES = ("single_flight", "drop_duplicate", "merge_duplicate", "none")
 ENGINE_LANES = ("project", "run", "none")  # built by the engine from the job's project / run
 PAYLOAD_LANE_MAX_LENGTH = 100  # "project:<id>:user:" + name stays within Job.lane's 200 characters
 BACKOFF_STRATEGIES = ("exponential", "immediate_linear")
+# Seed 001 §6.1's backoff, the one rule for job retries and step retries: 100 ms · 2^n, capped at
+# 30 s, ±10 % jitter (n = retries before this one).
+BACKOFF_BASE_MS = 100
+BACKOFF_CAP_MS = 30_000
+BACKOFF_JITTER = 0.1
+
+
+def backoff_uncapped_ms(retry: int, *, base_ms: int = BACKOFF_BASE_MS) -> int:
+    """The nominal delay before retry number ``retry`` (1 = the first retry), before the cap and jitter."""
+    return base_ms * (2 ** max(0, retry - 1))
+
+
+def backoff_ms(retry: int, *, base_ms: int = BACKOFF_BASE_MS, cap_ms: int = BACKOFF_CAP_MS, jitter: bool = True,
+               rng: random.Random | None = None) -> int:
+    """The delay before retry number ``retry`` (1 = the first retry): capped, then jittered by ±10 %."""
+    delay = min(backoff_uncapped_ms(retry, base_ms=base_ms), cap_ms)
+    if jitter:
+        delay += delay * BACKOFF_JITTER * (2 * (rng or random).random() - 1)
+    return max(0, int(delay))
 
 
 class RetryableJobError(Exception):
@@ -75,8 +94,8 @@ class RetryPolicy:
     max_failures: int | None = None  # None: same as max_attempts
     classify: Callable[[BaseException], str] = classify_default
     backoff: str = "exponential"
-    base_delay_ms: int = 100
-    max_delay_ms: int = 30_000
+    base_delay_ms: int = BACKOFF_BASE_MS
+    max_delay_ms: int = BACKOFF_CAP_MS
     step_ms: int = 60  # immediate_linear: 0, 60, 120 ...
     jitter: bool = True
 
@@ -84,10 +103,7 @@ class RetryPolicy:
         """Delay before retry number ``attempt`` (1 = the first retry)."""
         if self.backoff == "immediate_linear":
             return min(self.step_ms * (attempt - 1), self.max_delay_ms)
-        delay = min(self.base_delay_ms * (2 ** (attempt - 1)), self.max_delay_ms)
-        if self.jitter:
-            delay += delay * 0.1 * (2 * (rng or random).random() - 1)
-        return max(0, int(delay))
+        return backoff_ms(attempt, base_ms=self.base_delay_ms, cap_ms=self.max_delay_ms, jitter=self.jitter, rng=rng)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,17 @@ from django.conf import settings
 from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
-from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobReason, JobState, PriorityClass, WorkerHeartbeat
+from jobs.models import (
+    NOT_STARTED_JOB_STATES,
+    WAITING_JOB_STATES,
+    Job,
+    JobLane,
+    JobReason,
+    JobState,
+    PriorityClass,
+    WorkerHeartbeat,
+)
 from jobs.services import jobs_eligible, organization_max_executing
-
-WAITING = list(WAITING_JOB_STATES)
 
 
 def _age_s(since, now) -> float | None:
@@ -64,22 +71,21 @@ def queue_status(*, now=None, limit: int = 50) -> dict[str, Any]:
     lease; ``workers``: worker processes by last heartbeat, alive when seen within one lease.
     """
     now = now or timezone.now()
-    active = Job.objects.filter(state__in=[*WAITING, JobState.EXECUTING])
+    active = Job.objects.filter(state__in=[*WAITING_JOB_STATES, JobState.EXECUTING])
     lanes = [
         {"lane": row["lane"], "type": row["type"], "waiting": row["waiting"], "executing": row["executing"],
          "oldest_waiting_s": _age_s(row["oldest"], now)}
         for row in active.values("lane", "type").annotate(
-            waiting=Count("id", filter=Q(state__in=WAITING)),
+            waiting=Count("id", filter=Q(state__in=WAITING_JOB_STATES)),
             executing=Count("id", filter=Q(state=JobState.EXECUTING)),
-            oldest=Min("queued_at", filter=Q(state__in=WAITING)),
+            oldest=Min("queued_at", filter=Q(state__in=WAITING_JOB_STATES)),
         ).order_by("lane", "type")
     ]
-    totals = dict(Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING, JobState.EXECUTING,
-                                                JobState.AWAITING_USER_CONFIRMATION])
+    totals = dict(Job.objects.filter(state__in=[*NOT_STARTED_JOB_STATES, JobState.EXECUTING])
                   .values_list("state").annotate(n=Count("id")).order_by())
     return {
         "at": now.isoformat(),
-        "waiting": sum(totals.get(state, 0) for state in WAITING),
+        "waiting": sum(totals.get(state, 0) for state in WAITING_JOB_STATES),
         "executing": totals.get(JobState.EXECUTING, 0),
         "received": totals.get(JobState.RECEIVED, 0),
         "awaiting_user_confirmation": totals.get(JobState.AWAITING_USER_CONFIRMATION, 0),
@@ -105,15 +111,14 @@ def queue_overview(*, now=None, limit: int = 20) -> dict[str, Any]:
     are alive or stale.
     """
     now = now or timezone.now()
-    rows = (Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING, JobState.EXECUTING,
-                                          JobState.AWAITING_USER_CONFIRMATION])
+    rows = (Job.objects.filter(state__in=[*NOT_STARTED_JOB_STATES, JobState.EXECUTING])
             .values("lane", "type").annotate(
-                waiting=Count("id", filter=Q(state__in=WAITING)),
-                delayed=Count("id", filter=Q(state__in=WAITING, not_before__gt=now)),
+                waiting=Count("id", filter=Q(state__in=WAITING_JOB_STATES)),
+                delayed=Count("id", filter=Q(state__in=WAITING_JOB_STATES, not_before__gt=now)),
                 executing=Count("id", filter=Q(state=JobState.EXECUTING)),
                 received=Count("id", filter=Q(state=JobState.RECEIVED)),
                 confirming=Count("id", filter=Q(state=JobState.AWAITING_USER_CONFIRMATION)),
-                oldest=Min("queued_at", filter=Q(state__in=WAITING)),
+                oldest=Min("queued_at", filter=Q(state__in=WAITING_JOB_STATES)),
             ).order_by())
     by_lane: dict[str, dict[str, Any]] = {}
     by_type: dict[str, dict[str, Any]] = {}
@@ -216,7 +221,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
     explanation: dict[str, Any] = {
         "job": job.pk,
         "state": job.state,
-        "waiting": job.state in (JobState.RECEIVED, *WAITING, JobState.AWAITING_USER_CONFIRMATION),
+        "waiting": job.state in NOT_STARTED_JOB_STATES,
         "priority": job.priority,
         "priority_class": job.priority_class,
         "age_s": _age_s(waiting_since, now),
@@ -294,7 +299,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
                                                                f"jobs executing, its cap (other organizations' "
                                                                f"jobs are claimed meanwhile)"})
 
-    if job.state in WAITING:
+    if job.state in WAITING_JOB_STATES:
         aged = _aged_q(now)
         counts = jobs_eligible(now).aggregate(
             eligible=Count("id"),
@@ -322,3 +327,8 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         explanation["summary"] = f"Waiting: {first[0].upper()}{first[1:]}" + (
             f" (and {len(blockers) - 1} more reason{'s' if len(blockers) > 2 else ''})." if len(blockers) > 1 else ".")
     return explanation
+
+
+def run_jobs_not_started(*, run_id: int, limit: int) -> list[Job]:
+    """A run's jobs that have not started yet, oldest first (at most ``limit``)."""
+    return list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_JOB_STATES).order_by("id")[:limit])

@@ -31,9 +31,17 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.utils import timezone
 
-from core.errors import NotFound, SystemSessionRefused, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import Project
 from core.services import audit_record, event_record, transition_log
+from jobs.errors import SystemSessionRefused
+from jobs.events import (
+    WORKER_SESSION_BOOTSTRAPPED,
+    WORKER_SESSION_CREATED,
+    WORKER_SESSION_PREFLIGHT,
+    WORKER_SESSION_REPROVISIONED,
+    worker_session_event,
+)
 from jobs.models import Job, WorkerSession, WorkerSessionStatus
 from jobs.registry import FatalJobError, JobDefinition, RetryableJobError
 
@@ -200,7 +208,7 @@ def _ensure(*, owner: str, agent: str, project_id: int | None) -> WorkerSession:
         session, created = WorkerSession.objects.get_or_create(
             key=key, defaults={"owner": owner, "agent": agent, "project_id": project_id, "system_owned": True})
         if created:
-            _emit(session, "worker_session_created", _organization_id(project_id))
+            _emit(session, WORKER_SESSION_CREATED, _organization_id(project_id))
     return session
 
 
@@ -229,7 +237,7 @@ def _reprovision(session: WorkerSession, organization_id: int | None, *, reason:
     session.save()
     transition_log(entity="worker_session", id=session.pk, key=session.key, generation=session.generation,
                    **{"from": before, "to": session.status}, reason=reason)
-    _emit(session, "worker_session_reprovisioned", organization_id, {"reason": reason})
+    _emit(session, WORKER_SESSION_REPROVISIONED, organization_id, {"reason": reason})
 
 
 def _provision(session: WorkerSession, bootstrap_key: str | None, job: Job | None,
@@ -240,13 +248,13 @@ def _provision(session: WorkerSession, bootstrap_key: str | None, job: Job | Non
             preflight(session, job)
         session.preflight_at = timezone.now()
         session.save()
-        _emit(session, "worker_session_preflight", organization_id)
+        _emit(session, WORKER_SESSION_PREFLIGHT, organization_id)
     if bootstrap_key and bootstrap_key not in session.bootstrap_keys:
         with transaction.atomic():
             _BOOTSTRAPS[bootstrap_key](session, job)
         session.bootstrap_keys = [*session.bootstrap_keys, bootstrap_key]
         session.save()
-        _emit(session, "worker_session_bootstrapped", organization_id, {"bootstrapKey": bootstrap_key})
+        _emit(session, WORKER_SESSION_BOOTSTRAPPED, organization_id, {"bootstrapKey": bootstrap_key})
 
 
 def _set_status(session: WorkerSession, status: str, organization_id: int | None, *, error: str = "") -> None:
@@ -258,7 +266,7 @@ def _set_status(session: WorkerSession, status: str, organization_id: int | None
     transition_log(entity="worker_session", id=session.pk, key=session.key, generation=session.generation,
                    **{"from": before, "to": status}, reason=error)
     if status != WorkerSessionStatus.READY or before != WorkerSessionStatus.READY:
-        _emit(session, f"worker_session_{status}", organization_id, {"error": error} if error else None)
+        _emit(session, worker_session_event(status), organization_id, {"error": error} if error else None)
 
 
 def _emit(session: WorkerSession, event_type: str, organization_id: int | None, extra: dict | None = None) -> None:

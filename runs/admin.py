@@ -36,7 +36,7 @@ from runs.models import (
     Task,
 )
 from runs.pipeline.admin import RunPipelineAdminMixin
-from runs.selectors import run_escalated, run_stuck_q
+from runs.selectors import run_escalated, run_hierarchy, run_stuck_q
 
 TIMELINE_LIMIT = 50
 
@@ -191,19 +191,7 @@ class RunAdmin(RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
     @admin.display(description="agents → tasks → steps")
     def hierarchy(self, run):
         """Every attempt's tree, in three queries whatever its size."""
-        agents = list(Agent.objects.filter(run=run).only(
-            "pk", "run_id", "attempt_number", "sequence", "name", "status", "parallelism_mode", "failure_mode",
-            "retry_count", "last_error_code").order_by("attempt_number", "sequence", "pk"))
-        tasks = defaultdict(list)
-        for task in Task.objects.filter(run=run).only(
-                "pk", "agent_id", "sequence", "name", "status", "parallelism_mode", "depends_on", "retry_count",
-                "last_error_code").order_by("agent_id", "sequence", "pk"):
-            tasks[task.agent_id].append(task)
-        steps = defaultdict(list)
-        for step in Step.objects.filter(run=run).only(
-                "pk", "task_id", "sequence", "name", "kind", "tool", "status", "attempts", "credits_charged",
-                "last_error_code", "last_error").order_by("task_id", "sequence", "pk"):
-            steps[step.task_id].append(step)
+        agents, tasks, steps = run_hierarchy(run)
         if not agents:
             return "no agents yet (they are created when the run starts running)"
         by_attempt = defaultdict(list)

@@ -14,17 +14,11 @@ from django.core.files.storage import storages
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import DomainError, NotFound
+from core.errors import NotFound
+from runs.errors import ArtifactGone
 from runs.models import Artifact
 
 ARTIFACT_STORAGE = "artifacts"
-
-
-class ArtifactGone(DomainError):
-    """The artifact expired and its file was deleted."""
-
-    code = "artifact_expired"
-    status = 410
 
 
 def artifact_storage():

@@ -30,15 +30,14 @@ from billing.selectors import account_balance
 from billing.services import account_topup
 from core.models import Organization, Project
 from runs import services
-from runs.models import Run
+from runs.models import IN_FLIGHT_RUN_STATES, Run
 
 DEMO_ORGANIZATION = "Demo Org"
 WEDGED_NAME = "demo: lost dispatch"
 GATED_NAME = "demo: release"
 TOPUP_BELOW = 2_000
 TOPUP_AMOUNT = 100_000
-IN_FLIGHT = [Run.Status.PENDING, Run.Status.RUNNING, Run.Status.RESUMING, Run.Status.RETRYING]
-ACTIVE = [Run.Status.CREATED, *IN_FLIGHT]
+ACTIVE = [Run.Status.CREATED, *IN_FLIGHT_RUN_STATES]
 
 
 def plan_research(*, flaky: bool) -> dict:
@@ -134,7 +133,7 @@ def demo_tick(*, organization: Organization, actor=None, rng: random.Random | No
             services.run_mark_running(run_id=run.pk)
         beat.did.append(f"run {run.pk}: running with a lost dispatch (stuck once its heartbeat goes silent)")
 
-    in_flight = runs.filter(status__in=IN_FLIGHT).exclude(name__in=[WEDGED_NAME, GATED_NAME]).count()
+    in_flight = runs.filter(status__in=IN_FLIGHT_RUN_STATES).exclude(name__in=[WEDGED_NAME, GATED_NAME]).count()
     if in_flight < max_active:
         roll = rng.random()
         project = rng.choice(projects)

@@ -18,8 +18,9 @@ from datetime import timedelta
 from django.db.models import Min
 from django.utils import timezone
 
-from core.errors import CommandConflict, InvalidTransition, NotFound, ValidationFailed
+from core.errors import InvalidTransition, NotFound, ValidationFailed
 from core.tracing import traced
+from jobs.errors import CommandConflict
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
 from jobs.services import job_enqueue
 from jobs.tools import tool_get

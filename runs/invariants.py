@@ -15,7 +15,17 @@ from django.db.models import Count, F, Sum
 from billing.chain import chain_key, legacy_seal
 from billing.models import CreditAccount, LedgerEntry
 from billing.selectors import ledger_account_sums
-from runs.models import LIVE_NODE_STATES, Agent, Artifact, NodeStatus, Run, RunAttempt, Step, Task
+from runs.models import (
+    LIVE_NODE_STATES,
+    NOT_STARTED_RUN_STATES,
+    Agent,
+    Artifact,
+    NodeStatus,
+    Run,
+    RunAttempt,
+    Step,
+    Task,
+)
 
 
 @dataclass(frozen=True)
@@ -150,9 +160,8 @@ def check_hierarchy() -> list[Violation]:
         Agent.objects.filter(attempt_number=F("run__attempt_number")).values("run_id")
         .annotate(n=Count("id")).values_list("run_id", "n")
     )
-    for run in Run.objects.exclude(status__in=[Run.Status.CREATED, Run.Status.PENDING, Run.Status.RETRYING,
-                                               Run.Status.CANCELLED, Run.Status.FAILED]).only("id", "plan",
-                                                                                              "replan_count"):
+    built = Run.objects.exclude(status__in=[*NOT_STARTED_RUN_STATES, Run.Status.CANCELLED, Run.Status.FAILED])
+    for run in built.only("id", "plan", "replan_count"):
         expected = len(run.plan.get("agents", [])) if isinstance(run.plan, dict) else 0
         found = agent_counts.get(run.pk, 0)
         if found != expected and not (run.replan_count and found > expected):  # a re-plan adds agents
@@ -173,7 +182,7 @@ def check_state_consistency() -> list[Violation]:
         live = sum(agents.get(s, 0) for s in LIVE_NODE_STATES)
         status = run["status"]
         where = f"run {run['id']} ({status})"
-        if status in (Run.Status.CREATED, Run.Status.PENDING, Run.Status.RETRYING) and sum(agents.values()):
+        if status in NOT_STARTED_RUN_STATES and sum(agents.values()):
             violations.append(Violation("state", f"{where} has agents in its current attempt before running"))
         elif status == Run.Status.RUNNING and not live:
             violations.append(Violation("state", f"{where} has no pending, running or paused agent"))

@@ -21,7 +21,7 @@ from django.utils import timezone
 from core.errors import DomainError
 from jobs.models import ACTIVE_JOB_STATES, Job, JobState
 from runs import services
-from runs.models import Run
+from runs.models import IN_FLIGHT_RUN_STATES, Run
 
 logger = logging.getLogger("orchestrator.runs")
 
@@ -73,8 +73,7 @@ def runs_reap(*, now=None) -> dict[str, int]:
         done["heartbeat"] += _end(run_id, "fail", "heartbeat_timeout",
                                   f"no worker heartbeat for {settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S} s")
     active_jobs = Job.objects.filter(run_id=OuterRef("pk"), state__in=list(ACTIVE_JOB_STATES))
-    orphans = (Run.objects.filter(status__in=[Run.Status.PENDING, Run.Status.RESUMING, Run.Status.RETRYING,
-                                              Run.Status.RUNNING], updated_at__lt=now - ORPHAN_GRACE)
+    orphans = (Run.objects.filter(status__in=IN_FLIGHT_RUN_STATES, updated_at__lt=now - ORPHAN_GRACE)
                .exclude(Exists(active_jobs)).values_list("pk", flat=True))
     from runs.execution import run_dispatch
 

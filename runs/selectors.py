@@ -6,6 +6,7 @@ when called, so the admin filter, the recovery runbook and the reaper agree on "
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import timedelta
 
 from django.conf import settings
@@ -13,7 +14,7 @@ from django.db.models import Exists, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from jobs.models import Job, JobState
-from runs.models import EscalationTicket, Run
+from runs.models import Agent, EscalationTicket, GateReceipt, Run, RunAttempt, Step, Task
 
 
 def _work_waiting_in_queue() -> Exists:
@@ -68,3 +69,32 @@ def run_open_escalation(*, run: Run, trigger: str) -> EscalationTicket | None:
 def run_held_credits(run: Run) -> int:
     """Credits reserved for the run and neither charged nor released yet."""
     return run.credits_reserved - run.credits_charged - run.credits_refunded
+
+
+def run_current_attempt(run: Run) -> RunAttempt | None:
+    """The run's current attempt (the one ``run.attempt_number`` names)."""
+    return RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
+
+
+def run_last_passed_gate(run: Run) -> GateReceipt | None:
+    """The last internal gate the run's current attempt passed (its step read with it)."""
+    return (GateReceipt.objects.filter(run=run, attempt_number=run.attempt_number, kind=GateReceipt.Kind.GATE,
+                                       passed=True).select_related("step").order_by("-finished_at", "-id").first())
+
+
+def run_hierarchy(run: Run) -> tuple[list[Agent], dict[int, list[Task]], dict[int, list[Step]]]:
+    """Every attempt's agents, tasks by agent id and steps by task id, in three queries whatever its size."""
+    agents = list(Agent.objects.filter(run=run).only(
+        "pk", "run_id", "attempt_number", "sequence", "name", "status", "parallelism_mode", "failure_mode",
+        "retry_count", "last_error_code").order_by("attempt_number", "sequence", "pk"))
+    tasks = defaultdict(list)
+    for task in Task.objects.filter(run=run).only(
+            "pk", "agent_id", "sequence", "name", "status", "parallelism_mode", "depends_on", "retry_count",
+            "last_error_code").order_by("agent_id", "sequence", "pk"):
+        tasks[task.agent_id].append(task)
+    steps = defaultdict(list)
+    for step in Step.objects.filter(run=run).only(
+            "pk", "task_id", "sequence", "name", "kind", "tool", "status", "attempts", "credits_charged",
+            "last_error_code", "last_error").order_by("task_id", "sequence", "pk"):
+        steps[step.task_id].append(step)
+    return agents, tasks, steps

@@ -24,7 +24,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 
 from core.api.parsers import JsonTooDeep
-from core.errors import DomainError, QueueFull
+from core.errors import DomainError
 
 # DRF's default codes renamed to ours.
 DRF_CODES = {
@@ -73,7 +73,7 @@ def api_exception_handler(exc: Exception, context: dict) -> Response | None:
     """DRF's ``EXCEPTION_HANDLER``: every handled error in the ``{"code", "detail"}`` shape."""
     if isinstance(exc, DomainError):
         headers = {}
-        if isinstance(exc, QueueFull) and exc.extra.get("retry_after") is not None:
+        if exc.sends_retry_after and exc.extra.get("retry_after") is not None:
             headers["Retry-After"] = str(int(exc.extra["retry_after"]))
         return Response(exc.as_dict(), status=exc.status, headers=headers)
     if isinstance(exc, TooManyFieldsSent):

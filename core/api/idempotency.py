@@ -41,7 +41,7 @@ from django.http import HttpResponse
 from django.http.request import RawPostDataException
 from django.utils import timezone
 
-from core.errors import Conflict, DomainError, ValidationFailed
+from core.errors import IdempotencyKeyInUse, IdempotencyKeyReused, ValidationFailed
 from core.models import IdempotencyRecord
 
 logger = logging.getLogger("orchestrator.api")
@@ -49,19 +49,6 @@ logger = logging.getLogger("orchestrator.api")
 HEADER = "Idempotency-Key"
 REPLAY_HEADER = "Idempotent-Replayed"
 KEY_MAX_LENGTH = 255
-
-
-class IdempotencyKeyInUse(Conflict):
-    """The first request with this key is still running."""
-
-    code = "idempotency_key_in_use"
-
-
-class IdempotencyKeyReused(DomainError):
-    """The key was used on this endpoint with another request body."""
-
-    code = "idempotency_key_reused"
-    status = 422
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from django.utils import timezone
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema, extend_schema_view
 from rest_framework import mixins, status
+from rest_framework.authentication import SessionAuthentication
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
-from rest_framework.authentication import SessionAuthentication
 from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
@@ -22,9 +22,10 @@ from core.api.base import ApiView, ApiViewSet
 from core.api.schema import errors
 from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
-from core.errors import CommandConflict, NotFound, PermissionRefused, ValidationFailed
+from core.errors import NotFound, PermissionRefused, ValidationFailed
 from jobs.api.serializers import JobCancelSerializer, JobEnqueuedSerializer, JobEnqueueSerializer, JobSerializer
 from jobs.commands.job import command_job_credits_check
+from jobs.errors import CommandConflict
 from jobs.models import CommandRecord, Job, JobState, WorkerHeartbeat, WorkerSession
 from jobs.registry import definition_get
 from jobs.services import job_as_dict, job_cancel, job_enqueue

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from billing.errors import InsufficientCredits
 from billing.selectors import account_balance, direct_charge_exists
-from core.errors import CommandConflict, InsufficientCredits, ValidationFailed
+from core.errors import ValidationFailed
 from core.models import Project
 from jobs.commands.services import command_cost, command_execute
 from jobs.commands.validation import WRITE_COMMANDS, command_args_validate, idempotency_key_errors
+from jobs.errors import CommandConflict
 from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import Dedupe, JobDefinition, RetryPolicy, classify_default, register
 

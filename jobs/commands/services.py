@@ -28,11 +28,13 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from billing.services import account_charge
-from core.errors import CommandConflict, DomainError, ValidationFailed
+from core.errors import ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
+from jobs.errors import CommandConflict, CommandFailed
+from jobs.events import COMMAND_FAILED, COMMAND_RECORDED, COMMAND_SUCCEEDED
 from jobs.models import CommandKind, CommandRecord, CommandStatus
 from jobs.registry import JobCancelled, JobTimeout, classify_default
 from jobs.tools import ToolCancelled, ToolContext, classify_exception, tool_get
@@ -41,20 +43,6 @@ logger = logging.getLogger("orchestrator.commands")
 
 # Interruptions of the worker, not outcomes of the command: the record stays ``recorded``.
 INTERRUPTIONS = (JobTimeout, JobCancelled)
-
-
-class CommandFailed(DomainError):
-    """The adapter or tool failed the command. ``retryable`` failures leave it replayable."""
-
-    code = "command_failed"
-    status = 422
-
-    def __init__(self, detail: str, *, reason: str, retryable: bool, command_id: int | None = None) -> None:
-        super().__init__(detail, reason=reason, retryable=retryable, command_id=command_id)
-        self.reason = reason
-        self.retryable = retryable  # read by jobs.registry.classify_default
-        if retryable:
-            self.status = 503
 
 
 @dataclass(frozen=True)
@@ -191,7 +179,7 @@ def _command_record(*, project: Project, kind: str, key: str, args: dict, digest
         record.attempts += 1
         record.save(update_fields=["attempts", "updated_at"])
         if created:
-            _emit(record, "command_recorded", project.organization_id)
+            _emit(record, COMMAND_RECORDED, project.organization_id)
             if actor is not None:
                 audit_record(actor=actor, action="command_execute", target_type="command", target_id=record.pk,
                              organization_id=project.organization_id,
@@ -213,7 +201,7 @@ def _command_succeed(*, record_id: int, organization_id: int, result: Any) -> Co
         record.error_code = ""
         record.completed_at = timezone.now()
         record.save()
-        _emit(record, "command_succeeded", organization_id)
+        _emit(record, COMMAND_SUCCEEDED, organization_id)
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status})
         return record
@@ -231,7 +219,7 @@ def _command_fail(*, record_id: int, organization_id: int, code: str, message: s
             record.status = CommandStatus.FAILED
             record.completed_at = timezone.now()
         record.save()
-        _emit(record, "command_failed", organization_id, {"final": final, "retryable": not final})
+        _emit(record, COMMAND_FAILED, organization_id, {"final": final, "retryable": not final})
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status}, reason=code)
         return record

@@ -25,14 +25,12 @@ from jobs.services.cancellation import (
     jobs_enforce_interrupt_timeouts,
 )
 from jobs.services.claim import job_claim, jobs_claim_order, jobs_eligible, organization_max_executing
-from jobs.services.common import EVENT_NAMES, PROGRESS_EVENT, job_as_dict, job_transition
+from jobs.services.common import job_as_dict, job_transition
 from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
 from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress
 from jobs.services.recovery import job_renew_lease, job_requeue, jobs_enforce_deadlines, jobs_recover_expired
 
 __all__ = [
-    "EVENT_NAMES",
-    "PROGRESS_EVENT",
     "EnqueueResult",
     "job_as_dict",
     "job_cancel",

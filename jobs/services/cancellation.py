@@ -7,11 +7,12 @@ from datetime import timedelta
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import JobConflict
 from core.services import audit_record, row_lock
+from jobs.errors import JobConflict
 from jobs.models import TERMINAL_JOB_STATES, Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import PROGRESS_EVENT, _after_commit_hook, _current, _emit, _move
+from jobs.events import JOB_PROGRESS
+from jobs.services.common import _after_commit_hook, _current, _emit, _move
 
 
 def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
@@ -33,7 +34,7 @@ def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
             if job.cancel_requested_at is None:
                 job.cancel_requested_at = timezone.now()
                 job.save(update_fields=["cancel_requested_at", "cancel_reason", "updated_at"])
-                _emit(job, PROGRESS_EVENT, {"cancelRequested": True, "cancelReason": job.cancel_reason})
+                _emit(job, JOB_PROGRESS, {"cancelRequested": True, "cancelReason": job.cancel_reason})
         else:
             job.cancel_requested_at = job.cancel_requested_at or timezone.now()
             _move(job, JobState.CANCELLED, reason=JobReason.CANCELLED, extra={"cancelReason": job.cancel_reason})

@@ -11,20 +11,14 @@ from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
-from core.errors import JobConflict, ValidationFailed
+from core.errors import ValidationFailed
 from core.metrics import metric_observation, metric_sample, metrics_add
 from core.services import event_record, row_lock, transition_log
+from jobs.errors import JobConflict
+from jobs.events import JOB_PROGRESS, JOB_STATE_EVENTS
 from jobs.models import TERMINAL_JOB_STATES, Job, JobState
 from jobs.registry import JobDefinition
 
-EVENT_NAMES = {
-    JobState.QUEUED: "orchestrator_job_queued",
-    JobState.EXECUTING: "orchestrator_job_started",
-    JobState.COMPLETED: "orchestrator_job_completed",
-    JobState.FAILED: "orchestrator_job_failed",
-    JobState.CANCELLED: "orchestrator_job_canceled",
-}
-PROGRESS_EVENT = "orchestrator_job_progress"
 
 
 def job_as_dict(job: Job) -> dict[str, Any]:
@@ -82,7 +76,7 @@ def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: 
     transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                    attempt=job.attempts, **{"from": before, "to": target}, reason=reason)
     if emit:
-        event_type = EVENT_NAMES.get(target, PROGRESS_EVENT) if before != target else PROGRESS_EVENT
+        event_type = JOB_STATE_EVENTS.get(target, JOB_PROGRESS) if before != target else JOB_PROGRESS
         _emit(job, event_type, extra)
 
 

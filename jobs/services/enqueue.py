@@ -10,14 +10,16 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import QueueDisabled, QueueFull, ValidationFailed
+from core.errors import ValidationFailed
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, transition_log
 from core.tracing import traced, tracing_traceparent
-from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
+from jobs.errors import QueueDisabled, QueueFull
+from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
 from jobs.registry import JobDefinition, definition_get
-from jobs.services.common import EVENT_NAMES, PROGRESS_EVENT, _after_commit_hook, _emit, _wake
+from jobs.events import JOB_PROGRESS, JOB_QUEUED
+from jobs.services.common import _after_commit_hook, _emit, _wake
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,7 @@ def organization_max_waiting() -> int:
 
 
 def _waiting_depth(**filters) -> int:
-    return Job.objects.filter(state__in=[JobState.RECEIVED, *WAITING_JOB_STATES,
-                                          JobState.AWAITING_USER_CONFIRMATION], **filters).count()
+    return Job.objects.filter(state__in=NOT_STARTED_JOB_STATES, **filters).count()
 
 
 def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
         transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
                        **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
         metrics_add([metric_sample("jobs_enqueued", type=job.type)])
-        _emit(job, EVENT_NAMES[JobState.QUEUED])
+        _emit(job, JOB_QUEUED)
         if job.lane:
             JobLane.objects.get_or_create(key=job.lane)
         if actor is not None:
@@ -143,7 +144,7 @@ def _dedupe_outcome(definition: JobDefinition, existing: Job, payload: dict) -> 
     if mode == "merge_duplicate" and existing.state in (JobState.RECEIVED, *WAITING_JOB_STATES):
         existing.payload = definition.validated(definition.dedupe.merge(existing.payload, payload))
         existing.save(update_fields=["payload", "updated_at"])
-        _emit(existing, PROGRESS_EVENT, {"merged": True})
+        _emit(existing, JOB_PROGRESS, {"merged": True})
         return EnqueueResult(existing, "merged")
     if mode == "merge_duplicate":
         return EnqueueResult(existing, "already_queued")

@@ -8,8 +8,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import JobConflict
 from core.services import audit_record, row_lock
+from jobs.errors import JobConflict
 from jobs.models import ACTIVE_JOB_STATES, WAITING_JOB_STATES, Job, JobReason, JobState
 from jobs.registry import definition_get
 from jobs.services.common import _after_commit_hook, _move, _wake

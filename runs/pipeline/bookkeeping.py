@@ -14,8 +14,9 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import Conflict
 from core.services import event_record
+from runs.errors import DriftUnacknowledged, PipelineKeyInUse
+from runs.events import GATE_FAILED, GATE_PASSED, GATE_REVALIDATED, RUN_DRIFT_DETECTED
 from runs.models import (
     DriftRecord,
     GateReceipt,
@@ -37,18 +38,6 @@ SEED_PHASE_SOFT_CAP_MINUTES = {
     "structural_verify": 2, "leg_b_record": 5, "write_verify": 5, "lifecycle_enact": 15, "closeout": 5,
 }
 RUN_HARD_CAP_MINUTES = 60
-
-
-class PipelineKeyInUse(Conflict):
-    """A phase's idempotency key is held by another run (void that run to release it)."""
-
-    code = "pipeline_key_in_use"
-
-
-class DriftUnacknowledged(Conflict):
-    """The run stopped on drift that no operator has acknowledged yet."""
-
-    code = "drift_unacknowledged"
 
 
 def drift_open(run: Run):
@@ -226,9 +215,9 @@ def _receipt_create(run: Run, step: Step, attempt: StepAttempt | None, receipt: 
         invariants=receipt["invariants"], details=receipt["details"], passed=receipt["passed"], mode=run.mode,
         pins=receipt["pins"], started_at=receipt["started_at"], finished_at=receipt["finished_at"])
     if kind == GateReceipt.Kind.REVALIDATION:
-        event_type = "gate_revalidated"
+        event_type = GATE_REVALIDATED
     else:
-        event_type = "gate_passed" if record.passed else "gate_failed"
+        event_type = GATE_PASSED if record.passed else GATE_FAILED
     event_record(type=event_type, organization_id=run.organization_id,
                  project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
@@ -242,7 +231,7 @@ def _drift_records(run: Run, drifts: list[Drift], *, before: str, kind: str = Dr
     records = [DriftRecord.objects.create(run=run, attempt_number=run.attempt_number, kind=kind,
                                           dimension=d.dimension, recorded=d.recorded, live=d.live,
                                           detected_before=before, detected_at=now) for d in drifts]
-    event_record(type="run_drift_detected", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=RUN_DRIFT_DETECTED, organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
                      {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
     return records

@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from core.services import event_record
 from runs import services
+from runs.events import APPROVAL_REQUESTED
 from runs.models import (
     ApprovalRequest,
     Run,
@@ -108,7 +109,7 @@ def _approval_execute(*, step: Step, attempt: StepAttempt) -> services.StepOutco
                 asked={"gate": gate, "step": step.name, "task": step.task.name,
                        "question": step.args.get("question", f"approve gate {gate!r} of run {run.pk}?"),
                        "pins": pins_values(run)})
-            event_record(type="approval_requested", organization_id=run.organization_id, project_id=run.project_id,
+            event_record(type=APPROVAL_REQUESTED, organization_id=run.organization_id, project_id=run.project_id,
                          run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
                                                  "asked": request.asked})
         outcome = services.step_attempt_abandon(attempt_id=attempt.pk)

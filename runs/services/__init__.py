@@ -20,17 +20,22 @@ The package by concern:
 - ``steps``: Step attempts and scheduling: which steps are runnable, a step attempt's begin, its success,
 """
 
+from runs.errors import (  # noqa: F401
+    ApprovalNotPending,
+    ApprovalRequired,
+    ApprovalReused,
+    DriftDetected,
+    DriftNotPending,
+    RunNotStuck,
+)
 from runs.services.common import (  # noqa: F401
     RUN_DISPATCHERS,
-    STEP_BACKOFF_BASE_MS,
-    STEP_BACKOFF_CAP_MS,
     STEP_FAILURE_HOOKS,
     _lock_run,
 )
 from runs.services.credits import run_refund  # noqa: F401
 from runs.services.lifecycle import (  # noqa: F401
     HEARTBEAT_TIMEOUT_CODE,
-    RunNotStuck,
     run_cancel,
     run_complete,
     run_create,
@@ -55,15 +60,8 @@ from runs.services.steps import (  # noqa: F401
     step_backoff_ms,
     step_begin,
 )
-from runs.services.approvals import (  # noqa: F401
-    ApprovalNotPending,
-    ApprovalRequired,
-    ApprovalReused,
-    approval_grant,
-)
+from runs.services.approvals import approval_grant  # noqa: F401
 from runs.services.drift import (  # noqa: F401
-    DriftDetected,
-    DriftNotPending,
     ResumeResult,
     drift_acknowledge,
     pipeline_resume,

@@ -8,8 +8,10 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import Conflict, InvalidTransition, ValidationFailed
+from core.errors import InvalidTransition, ValidationFailed
 from core.services import audit_record, event_record, transition_log
+from runs.errors import ApprovalNotPending, ApprovalReused
+from runs.events import APPROVAL_GRANTED
 from runs.models import (
     ApprovalRequest,
     Run,
@@ -17,20 +19,6 @@ from runs.models import (
 from runs.services.common import _lock_run
 from runs.services.lifecycle import run_resume
 from runs.substates import StatusReason, SubState
-
-
-class ApprovalReused(Conflict):
-    code = "approval_reused"
-
-
-class ApprovalNotPending(Conflict):
-    code = "approval_not_pending"
-
-
-class ApprovalRequired(Conflict):
-    """The run waits for an approval: resuming it needs the gate's approval reference."""
-
-    code = "approval_required"
 
 
 @transaction.atomic
@@ -70,7 +58,7 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
     transition_log(entity="approval", id=request.pk, project=run.project_id, run=run.pk,
                    attempt=request.attempt_number, gate=gate, **{"from": ApprovalRequest.Status.PENDING,
                                                                  "to": request.status}, reason=reason)
-    event_record(type="approval_granted", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=APPROVAL_GRANTED, organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
                                          "approval_ref": approval_ref})
     audit_record(actor=actor, action="approve_gate", target_type="run", target_id=run.pk,

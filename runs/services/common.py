@@ -17,6 +17,7 @@ from core.errors import (
 )
 from core.metrics import metric_sample, metrics_add
 from core.services import audit_record, event_record, row_lock, transition_log
+from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
     LIVE_NODE_STATES,
@@ -33,12 +34,6 @@ from runs.models import (
     Task,
 )
 from runs.pipeline import bookkeeping
-
-STEP_BACKOFF_BASE_MS = 100
-
-
-STEP_BACKOFF_CAP_MS = 30_000
-
 
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
 # The execution engine registers itself here; nothing is called when none is registered.
@@ -106,7 +101,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if run.last_error_code:
         payload["error"] = {"code": run.last_error_code, "message": run.last_error}
     payload.update(extra or {})
-    event_record(type=f"run_{run.status}", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
     if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
         metrics_add([metric_sample("runs_finished", state=run.status,
@@ -117,10 +112,6 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
                      after=_snapshot(run))
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number,
                    **{"from": before["status"], "to": run.status}, action=action, reason=reason or run.last_error_code)
-
-
-def _current_attempt(run: Run) -> RunAttempt | None:
-    return RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
 
 
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
@@ -147,7 +138,7 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
     if node.last_error_code:
         payload["error"] = {"code": node.last_error_code, "message": node.last_error}
     payload.update(extra or {})
-    event_record(type=f"{entity}_{node.status}", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
 
 

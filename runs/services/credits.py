@@ -8,15 +8,17 @@ import uuid
 
 from django.db import transaction
 
+from billing.errors import CreditLimitExceeded
 from billing.models import LedgerEntry
 from billing.services import ledger_charge, ledger_refund, ledger_reserve
 from core.errors import (
-    CreditLimitExceeded,
     InvalidTransition,
     ValidationFailed,
 )
 from core.services import audit_record, event_record
+from runs.events import RUN_REFUNDED
 from runs.models import (
+    SETTLED_RUN_STATES,
     Run,
     RunAttempt,
 )
@@ -79,7 +81,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     if not (reason or "").strip():
         raise ValidationFailed("a reason is required", errors={"reason": ["must not be empty"]})
     run = _lock_run(run_id)
-    if run.status not in (Run.Status.COMPLETED, Run.Status.FAILED, Run.Status.CANCELLED):
+    if run.status not in SETTLED_RUN_STATES:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="refund",
                                 why="only completed, failed or cancelled runs can be refunded")
     key = idempotency_key or f"manual:{uuid.uuid4().hex}"
@@ -116,7 +118,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     run.credits_charged -= amount
     run.credits_refunded += amount
     run.save(update_fields=["credits_charged", "credits_refunded", "updated_at"])
-    event_record(type="run_refunded", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_REFUNDED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "amount": amount, "reason": reason})
     audit_record(actor=actor, action="run_refund", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

@@ -19,6 +19,8 @@ from django.utils import timezone
 
 from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
 from core.services import actor_label, audit_record, event_record, transition_log
+from runs.errors import ApprovalRequired, DriftNotPending
+from runs.events import RUN_DRIFT_ACKNOWLEDGED, RUN_STOPPED
 from runs.models import (
     ContextPin,
     DriftRecord,
@@ -34,23 +36,12 @@ from runs.pipeline.bookkeeping import (
 )
 from runs.pipeline.checks import CheckContext, CheckResult, check_evaluate
 from runs.pipeline.pins import Drift, pins_current, pins_drift, pins_values
-from runs.services.approvals import ApprovalRequired, approval_grant
+from runs.selectors import run_last_passed_gate
+from runs.services.approvals import approval_grant
 from runs.services.common import _lock_run
 from runs.services.lifecycle import run_pause, run_resume
 from runs.services.steps import StepOutcome, step_attempt_abandon
 from runs.substates import GATE_DIMENSION, StatusReason, SubState, status_reason
-
-
-class DriftNotPending(Conflict):
-    """There is no unacknowledged drift on the run."""
-
-    code = "drift_not_pending"
-
-
-class DriftDetected(Conflict):
-    """Resuming found drift: the run stays stopped as ``stopped_drift:<dimension>``."""
-
-    code = "drift_detected"
 
 
 @transaction.atomic
@@ -94,7 +85,7 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
                                       provider=pin.provider, args=pin.args, value=drift.live, source="acknowledged",
                                       recorded_at=now, recorded_by=user, actor_label=label, reason=reason)
     summary = [{"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]
-    event_record(type="run_drift_acknowledged", organization_id=run.organization_id, project_id=run.project_id,
+    event_record(type=RUN_DRIFT_ACKNOWLEDGED, organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
     audit_record(actor=actor, action="acknowledge_drift", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
@@ -122,16 +113,11 @@ class ResumeResult:
     drift: list = field(default_factory=list)
 
 
-def _last_passed_gate(run: Run) -> GateReceipt | None:
-    return (GateReceipt.objects.filter(run=run, attempt_number=run.attempt_number, kind=GateReceipt.Kind.GATE,
-                                       passed=True).select_related("step").order_by("-finished_at", "-id").first())
-
-
 def _revalidate(run: Run) -> Revalidation:
     found = Revalidation(drifts=pins_drift(run))
     if found.drifts:
         return found
-    receipt = _last_passed_gate(run)
+    receipt = run_last_passed_gate(run)
     if receipt is None:
         return found
     accepted = DriftRecord.objects.filter(run=run, attempt_number=run.attempt_number,
@@ -243,6 +229,6 @@ def _stop_reason(run: Run, reason: str) -> None:
         return
     run.status_reason = reason[:200]
     run.save(update_fields=["status_reason", "updated_at"])
-    event_record(type="run_stopped", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_STOPPED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
 

@@ -15,6 +15,7 @@ from django_fsm import can_proceed
 
 from core.errors import InvalidTransition, ValidationFailed
 from core.services import audit_record, event_record, row_lock, transition_log
+from runs.events import ESCALATION_UPDATED, escalation_event
 from runs.models import EscalationTicket, Run, StepAttempt
 
 ERROR_WINDOW = timedelta(minutes=5)
@@ -25,7 +26,7 @@ ERROR_RATE_MIN_SAMPLE = 4
 
 def _emit(ticket: EscalationTicket, *, before: str) -> None:
     run = ticket.run
-    event_record(type=f"escalation_{ticket.status}", organization_id=ticket.organization_id,
+    event_record(type=escalation_event(ticket.status), organization_id=ticket.organization_id,
                  project_id=run.project_id, run_id=run.pk,
                  payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger, "from": before,
                           "to": ticket.status, "severity": ticket.severity, "detail": ticket.detail})
@@ -65,7 +66,7 @@ def escalation_add_detail(*, ticket: EscalationTicket, detail: str) -> Escalatio
     ticket.detail = f"{ticket.detail}\n{stamp} again: {detail}"
     ticket.save(update_fields=["detail"])
     run = ticket.run
-    event_record(type="escalation_updated", organization_id=ticket.organization_id, project_id=run.project_id,
+    event_record(type=ESCALATION_UPDATED, organization_id=ticket.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger,
                                          "status": ticket.status, "added": detail, "severity": ticket.severity})
     return ticket

@@ -11,14 +11,16 @@ from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
+from billing.errors import InsufficientCredits
 from billing.selectors import account_balance
 from core.errors import (
-    InsufficientCredits,
     InvalidTransition,
     ValidationFailed,
 )
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
+from runs.errors import RunNotStuck
+from runs.events import RUN_DELETED
 from runs.models import (
     Agent,
     ApprovalRequest,
@@ -31,10 +33,10 @@ from runs.models import (
 )
 from runs.pipeline import bookkeeping
 from runs.plan import plan_cost_estimate, plan_is_gated, plan_validate
+from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
     _close_attempt,
-    _current_attempt,
     _dispatch_after_commit,
     _duration_ms,
     _lock_run,
@@ -183,12 +185,6 @@ def run_fail(*, run_id: int, code: str, message: str, actor=None, reason: str = 
 HEARTBEAT_TIMEOUT_CODE = "heartbeat_timeout"
 
 
-class RunNotStuck(InvalidTransition):
-    """The run is running and its worker is alive (or its work waits in the queue): nothing to recover."""
-
-    code = "run_not_stuck"
-
-
 @transaction.atomic
 def run_recover(*, run_id: int, older_than_s: int, actor=None, reason: str = "") -> Run:
     """Seed 001 §9.1's recovery: a running run whose worker has been silent for ``older_than_s``
@@ -257,7 +253,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
 def _end_cancelled(run: Run, *, actor, reason: str) -> RunAttempt | None:
     """A run just moved to cancelled (cancel or void): end its live agents, release every credit
     not charged and stamp the end. Returns the attempt, for the caller to close."""
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     _terminate_live_nodes(run, attempt_number=run.attempt_number)
     _settle(run, attempt, actor=actor, reason=reason)
     now = timezone.now()
@@ -366,7 +362,7 @@ def run_delete(*, run_id: int, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     run.deleted_at = timezone.now()
     run.save(update_fields=["deleted_at", "updated_at"])
-    event_record(type="run_deleted", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_DELETED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "reason": reason})
     audit_record(actor=actor, action="run_delete", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,

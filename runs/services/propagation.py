@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from django.db import transaction
 
-from core.errors import (
-    InsufficientCredits,
-)
+from billing.errors import InsufficientCredits
 from core.services import event_record, transition_log
+from runs.events import RUN_REPLANNED, RUN_RETRY_REFUSED
 from runs.models import (
     LIVE_NODE_STATES,
     MAX_RETRIES_PER_LEVEL,
@@ -21,8 +20,8 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.selectors import run_current_attempt
 from runs.services.common import (
-    _current_attempt,
     _discard_open_attempts,
     _node_move,
     _spawn_agents,
@@ -38,7 +37,7 @@ from runs.services.settlement import (
 def _apply_failure_deferred_by_pause(run: Run) -> None:
     """On resume: the agent failure noted during the pause takes effect (re-plan, else the run's
     failure mode); without one, a run whose agents all finished meanwhile settles."""
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     failed = None
     if attempt is not None and attempt.error_code and not attempt.outcome:
         attempt.error_code = ""
@@ -141,7 +140,7 @@ def _replan(run: Run) -> bool:
     _spawn_agents(run, specs, first_sequence=next_sequence)
     run.replan_count += 1
     run.save(update_fields=["replan_count", "updated_at"])
-    event_record(type="run_replanned", organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
                           "new_agents": [spec["name"] for spec in specs]})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
@@ -169,7 +168,7 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
                 _retry_locked(run, reason=f"automatic retry after {code}")
         except InsufficientCredits as exc:
             run.refresh_from_db()
-            event_record(type="run_retry_refused", organization_id=run.organization_id, project_id=run.project_id,
+            event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
                          run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
 
 

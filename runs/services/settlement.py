@@ -16,10 +16,10 @@ from runs.models import (
     Run,
     RunAttempt,
 )
+from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
     _close_attempt,
-    _current_attempt,
     _dispatch_after_commit,
     _duration_ms,
     _record_run_change,
@@ -32,7 +32,7 @@ from runs.services.credits import _reserve, _settle
 def _defer_failure_while_paused(run: Run, *, code: str) -> None:
     """A paused run cannot fail: note the agent failure on the open attempt (its ``error_code``,
     overwritten when the attempt closes); ``run_mark_running`` applies it when the run resumes."""
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     if attempt is not None and not attempt.outcome:
         attempt.error_code = code
         attempt.save(update_fields=["error_code"])
@@ -45,7 +45,7 @@ def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
     if agents.filter(status__in=LIVE_NODE_STATES).exists() or not agents.filter(status=NodeStatus.COMPLETED).exists():
         raise InvalidTransition(entity="run", entity_id=run.pk, current=before["status"], requested="complete",
                                 why="not every agent is done with at least one completed")
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     _settle(run, attempt, actor=actor, reason=reason)
     now = timezone.now()
     run.completed_at = now
@@ -59,7 +59,7 @@ def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
 def _fail_locked(run: Run, *, code: str, message: str, actor=None, reason: str = "", action: str = "fail") -> Run:
     before = _snapshot(run)
     _apply(run, "fail")
-    attempt = _current_attempt(run)
+    attempt = run_current_attempt(run)
     _terminate_live_nodes(run, attempt_number=run.attempt_number)
     _settle(run, attempt, actor=actor, reason=reason)
     now = timezone.now()

@@ -12,11 +12,13 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from billing.errors import CreditLimitExceeded
 from core.errors import (
-    CreditLimitExceeded,
     InvalidTransition,
     NotFound,
 )
+from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
+from jobs.tools import tool_get
 from runs.models import (
     DONE_NODE_STATES,
     Agent,
@@ -28,25 +30,20 @@ from runs.models import (
     Task,
 )
 from runs.pipeline import bookkeeping
+from runs.selectors import run_current_attempt
 from runs.services.common import (
-    STEP_BACKOFF_BASE_MS,
-    STEP_BACKOFF_CAP_MS,
     STEP_FAILURE_HOOKS,
-    _current_attempt,
     _lock_run,
     _node_event,
     _node_move,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
-from jobs.tools import tool_get
 
 
 def step_backoff_ms(tries_done: int, *, rng: random.Random | None = None) -> int:
-    """Seed 001 §6.1: 100 ms · 2^n, capped at 30 s, ±10 % jitter (n = failed tries so far - 1)."""
-    delay = min(STEP_BACKOFF_BASE_MS * (2 ** max(0, tries_done - 1)), STEP_BACKOFF_CAP_MS)
-    jitter = delay * 0.1 * (2 * (rng or random).random() - 1)
-    return int(delay + jitter)
+    """Seed 001 §6.1's backoff (``jobs.registry.backoff_ms``) before a step's next try (n = failed tries so far - 1)."""
+    return backoff_ms(tries_done, rng=rng)
 
 
 def _step_idempotency_key(run: Run, step: Step, number: int) -> str:
@@ -227,7 +224,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     run, attempt, step, early = _attempt_to_settle(attempt_id)
     if early is not None:
         return early
-    run_attempt = _current_attempt(run)
+    run_attempt = run_current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
         try:
@@ -285,7 +282,7 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     cost = _step_cost(step, run) if charge else 0
     if cost:
         try:
-            _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+            _charge(run, run_current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
         except CreditLimitExceeded as exc:
             cost, code, message, retryable = 0, "credit_limit_exceeded", exc.detail, False
     attempt.outcome = StepAttempt.Outcome.FAILED
@@ -303,8 +300,8 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
         run.save(update_fields=["credits_charged", "updated_at"])
     from runs.services.escalations import escalations_evaluate
 
-    uncapped = STEP_BACKOFF_BASE_MS * (2 ** max(0, step.tries_this_round - 1)) if retryable else None
-    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=STEP_BACKOFF_CAP_MS,
+    uncapped = backoff_uncapped_ms(step.tries_this_round) if retryable else None
+    escalations_evaluate(run=run, failed_attempt=attempt, uncapped_delay_ms=uncapped, cap_ms=BACKOFF_CAP_MS,
                          retries_exhausted=retryable and step.tries_this_round >= step.max_tries)
     if retryable and step.tries_this_round < step.max_tries:
         delay = step_backoff_ms(step.tries_this_round)

@@ -12,10 +12,11 @@ import pytest
 from django.db import transaction
 from django.db.models.deletion import ProtectedError
 
+from billing.errors import InsufficientCredits
 from billing.models import AppendOnlyViolation, CreditAccount, LedgerEntry
 from billing.selectors import account_balance, ledger_account_sums, ledger_totals
 from billing.services import account_topup, ledger_charge, ledger_refund, ledger_reserve
-from core.errors import InsufficientCredits, InvalidTransition, ValidationFailed
+from core.errors import InvalidTransition, ValidationFailed
 from core.models import AuditRecord, Event
 from runs import services
 from runs.invariants import invariants_check

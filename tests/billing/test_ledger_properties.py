@@ -21,9 +21,10 @@ from django.db import transaction
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from billing.errors import InsufficientCredits
 from billing.models import CreditAccount, LedgerEntry
 from billing.services import account_topup, organization_create
-from core.errors import InsufficientCredits, InvalidTransition, ValidationFailed
+from core.errors import InvalidTransition, ValidationFailed
 from core.models import Event
 from runs import services
 from runs.invariants import invariants_check

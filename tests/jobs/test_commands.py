@@ -16,14 +16,15 @@ from django.utils import timezone
 from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from billing.services import account_topup
-from core.errors import CommandConflict, NotFound, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import AuditRecord, Event
+from jobs import tools
 from jobs.commands import selectors
 from jobs.commands.adapters import DatabaseAdapter, ExecutionAdapter, adapter_get
 from jobs.commands.services import CommandFailed, command_execute
 from jobs.commands.validation import payload_hash
+from jobs.errors import CommandConflict
 from jobs.executor import job_run_claimed
-from jobs.registry import JobCancelled
 from jobs.models import (
     AdapterCall,
     CommandRecord,
@@ -34,6 +35,7 @@ from jobs.models import (
     JobState,
     Order,
 )
+from jobs.registry import JobCancelled
 from jobs.services import job_claim, job_enqueue
 from jobs import tools
 from runs.invariants import invariants_check

@@ -8,8 +8,9 @@ import threading
 import pytest
 from django.db import connection
 
-from core.errors import QueueFull, ValidationFailed
+from core.errors import ValidationFailed
 from core.services import project_create
+from jobs.errors import QueueFull
 from jobs.models import Job, JobState
 from jobs.registry import PAYLOAD_LANE_MAX_LENGTH
 from jobs.services import job_claim, job_complete, job_enqueue

@@ -6,9 +6,10 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from core.errors import JobConflict, QueueFull, ValidationFailed
+from core.errors import ValidationFailed
 from core.models import Event
 from jobs.apps import check_q_cluster
+from jobs.errors import JobConflict, QueueFull
 from jobs.executor import job_run_claimed
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import Dedupe, FatalJobError, RetryableJobError, RetryPolicy

@@ -10,10 +10,11 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from core.errors import NotFound, SystemSessionRefused, ValidationFailed
+from core.errors import NotFound, ValidationFailed
 from core.models import AuditRecord, Event
 from jobs import sessions
 from jobs.commands.adapters import DatabaseAdapter
+from jobs.errors import SystemSessionRefused
 from jobs.executor import job_run_claimed
 from jobs.models import Job, JobReason, JobState, WorkerSession, WorkerSessionStatus
 from jobs.registry import RetryPolicy, definition_get

@@ -3,8 +3,8 @@ every other move a deterministic ``JobConflict`` that changes nothing."""
 
 import pytest
 
-from core.errors import JobConflict
 from core.models import Event
+from jobs.errors import JobConflict
 from jobs.models import TRANSITIONS, Job, JobState
 from jobs.services import job_transition
 

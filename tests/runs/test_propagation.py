@@ -16,6 +16,7 @@ from billing.models import LedgerEntry
 from billing.selectors import account_balance, ledger_totals
 from core.errors import InvalidTransition
 from core.models import AuditRecord, Event
+from jobs.registry import RetryPolicy
 from runs import services
 from runs.invariants import invariants_check
 from runs.models import LIVE_NODE_STATES, Agent, NodeStatus, Run, RunAttempt, Step, StepAttempt, Task
@@ -479,6 +480,13 @@ def test_step_backoff_reaches_its_cap_at_thirty_seconds():
     assert services.step_backoff_ms(9, rng=FixedRandom(0.5)) == 25_600
     assert services.step_backoff_ms(10, rng=FixedRandom(0.5)) == 30_000
     assert services.step_backoff_ms(1000, rng=FixedRandom(0.5)) == 30_000
+
+
+@pytest.mark.parametrize("value", [0.0, 0.3, 0.5, 0.999999])
+def test_step_retries_and_job_retries_wait_by_the_same_rule(value):
+    for retry in range(1, 14):
+        assert services.step_backoff_ms(retry, rng=FixedRandom(value)) == \
+            RetryPolicy().delay_ms(retry, rng=FixedRandom(value)), retry
 
 
 def test_a_retryable_step_failure_waits_out_its_backoff(project, clock):

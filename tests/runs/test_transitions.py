@@ -13,10 +13,11 @@ from __future__ import annotations
 import pytest
 from django.db import transaction
 
+from billing.errors import InsufficientCredits
 from billing.models import CreditAccount, LedgerEntry
 from billing.selectors import account_balance, ledger_totals
 from billing.services import organization_create
-from core.errors import InsufficientCredits, InvalidTransition
+from core.errors import InvalidTransition
 from core.models import AuditRecord, Event
 from runs import services
 from runs.invariants import invariants_check
