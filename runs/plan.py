@@ -172,6 +172,21 @@ def _size_errors(plan: dict) -> dict[str, list[str]]:
     return errors
 
 
+def _node_ok(node: Any, path: str, level: str, seen: set[str], add) -> bool:
+    """The checks every level of a plan shares: an object, with a valid name unique among its
+    siblings (``seen``). False when it is no object (nothing more can be checked under it)."""
+    if not isinstance(node, dict):
+        add(path, "must be an object")
+        return False
+    for message in _name_errors(node.get("name")):
+        add(f"{path}.name", message)
+    if isinstance(node.get("name"), str):
+        if node["name"] in seen:
+            add(f"{path}.name", f"duplicate {level} name {node['name']!r}")
+        seen.add(node["name"])
+    return True
+
+
 def plan_validate(plan: Any) -> dict:
     """Return the plan when valid; raise ``ValidationFailed`` with every field error otherwise."""
     errors: dict[str, list[str]] = {}
@@ -205,15 +220,8 @@ def plan_validate(plan: Any) -> dict:
     agent_names: set[str] = set()
     for a_index, agent in enumerate(agents):
         a_path = f"agents[{a_index}]"
-        if not isinstance(agent, dict):
-            add(a_path, "must be an object")
+        if not _node_ok(agent, a_path, "agent", agent_names, add):
             continue
-        for message in _name_errors(agent.get("name")):
-            add(f"{a_path}.name", message)
-        if isinstance(agent.get("name"), str):
-            if agent["name"] in agent_names:
-                add(f"{a_path}.name", f"duplicate agent name {agent['name']!r}")
-            agent_names.add(agent["name"])
         _check_mode(agent, "failure_mode", FAILURE_MODES, a_path, errors)
         _check_mode(agent, "parallelism_mode", AGENT_TASK_MODES, a_path, errors)
         tasks = agent.get("tasks")
@@ -223,15 +231,8 @@ def plan_validate(plan: Any) -> dict:
         task_names: set[str] = set()
         for t_index, task in enumerate(tasks):
             t_path = f"{a_path}.tasks[{t_index}]"
-            if not isinstance(task, dict):
-                add(t_path, "must be an object")
+            if not _node_ok(task, t_path, "task", task_names, add):
                 continue
-            for message in _name_errors(task.get("name")):
-                add(f"{t_path}.name", message)
-            if isinstance(task.get("name"), str):
-                if task["name"] in task_names:
-                    add(f"{t_path}.name", f"duplicate task name {task['name']!r}")
-                task_names.add(task["name"])
             _check_mode(task, "failure_mode", FAILURE_MODES, t_path, errors)
             _check_mode(task, "parallelism_mode", STEP_MODES, t_path, errors)
             if gated and isinstance(task.get("name"), str):
@@ -258,15 +259,8 @@ def plan_validate(plan: Any) -> dict:
             step_names: set[str] = set()
             for s_index, step in enumerate(steps):
                 s_path = f"{t_path}.steps[{s_index}]"
-                if not isinstance(step, dict):
-                    add(s_path, "must be an object")
+                if not _node_ok(step, s_path, "step", step_names, add):
                     continue
-                for message in _name_errors(step.get("name")):
-                    add(f"{s_path}.name", message)
-                if isinstance(step.get("name"), str):
-                    if step["name"] in step_names:
-                        add(f"{s_path}.name", f"duplicate step name {step['name']!r}")
-                    step_names.add(step["name"])
                 kind = step.get("kind", "tool")
                 if not isinstance(kind, str) or kind not in STEP_KINDS:
                     add(f"{s_path}.kind", f"must be one of {', '.join(sorted(STEP_KINDS))}")
