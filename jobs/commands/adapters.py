@@ -132,6 +132,17 @@ class DatabaseAdapter:
                                            idempotency_key=idempotency_key, outcome=exc.code)
             raise
 
+    def _end(self, model, project_id: int, pk: int, *, status: str, at: str, as_dict, outcome: str):
+        """Move a deployment or an order to its final ``status`` (stamping ``at``), once: a second
+        call finds it there and answers ``existing``."""
+        obj = self._locked(model, project_id, pk)
+        if obj.status == status:
+            return as_dict(obj), "existing"
+        obj.status = status
+        setattr(obj, at, timezone.now())
+        obj.save(update_fields=["status", at, "updated_at"])
+        return as_dict(obj), outcome
+
     def create_deployment(self, *, project_id: int, idempotency_key: str, name: str, spec: dict) -> dict:
         def effect():
             deployment, created = Deployment.objects.get_or_create(
@@ -143,13 +154,8 @@ class DatabaseAdapter:
 
     def stop_deployment(self, *, project_id: int, idempotency_key: str, deployment_id: int) -> dict:
         def effect():
-            deployment = self._locked(Deployment, project_id, deployment_id)
-            if deployment.status == Deployment.Status.STOPPED:
-                return deployment_as_dict(deployment), "existing"
-            deployment.status = Deployment.Status.STOPPED
-            deployment.stopped_at = timezone.now()
-            deployment.save(update_fields=["status", "stopped_at", "updated_at"])
-            return deployment_as_dict(deployment), "stopped"
+            return self._end(Deployment, project_id, deployment_id, status=Deployment.Status.STOPPED,
+                             at="stopped_at", as_dict=deployment_as_dict, outcome="stopped")
 
         return self._write(project_id=project_id, operation="stop_deployment", idempotency_key=idempotency_key,
                            effect=effect)
@@ -175,13 +181,8 @@ class DatabaseAdapter:
 
     def cancel_order(self, *, project_id: int, idempotency_key: str, order_id: int) -> dict:
         def effect():
-            order = self._locked(Order, project_id, order_id)
-            if order.status == Order.Status.CANCELLED:
-                return order_as_dict(order), "existing"
-            order.status = Order.Status.CANCELLED
-            order.cancelled_at = timezone.now()
-            order.save(update_fields=["status", "cancelled_at", "updated_at"])
-            return order_as_dict(order), "cancelled"
+            return self._end(Order, project_id, order_id, status=Order.Status.CANCELLED, at="cancelled_at",
+                             as_dict=order_as_dict, outcome="cancelled")
 
         return self._write(project_id=project_id, operation="cancel_order", idempotency_key=idempotency_key,
                            effect=effect)
