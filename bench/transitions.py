@@ -36,7 +36,8 @@ from typing import Callable  # noqa: E402
 from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 
 # Its own scratch database (bench/queue.py uses ``orchestrator_bench``; both may run at once).
-BENCH_DATABASE = "orchestrator_bench_transitions"
+# ``BENCH_DATABASE_PREFIX`` replaces its ``orchestrator_bench`` prefix (as in bench/_common.py).
+BENCH_DATABASE = (os.environ.get("BENCH_DATABASE_PREFIX", "").strip() or "orchestrator_bench") + "_transitions"
 
 
 def _postgres_urls(url: str) -> tuple[str, str]:
