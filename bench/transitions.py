@@ -96,6 +96,7 @@ def main() -> int:
         parser.error("--runs and --baseline must be at least 1")
 
     os.environ["DJANGO_SETTINGS_MODULE"] = "orchestrator_site.settings"
+    os.environ.setdefault("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "WARNING")  # figures, not a log line per transition
     label, cleanup = prepare_environment()
     try:
         return run_benchmark(label, runs=args.runs, baseline=args.baseline)
