@@ -15,9 +15,18 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BASE_DIR))
 
 
+def scratch_name(name: str) -> str:
+    """``name`` with its ``orchestrator_bench`` prefix replaced by ``BENCH_DATABASE_PREFIX`` (if set)."""
+    prefix = os.environ.get("BENCH_DATABASE_PREFIX", "").strip()
+    if prefix and name.startswith("orchestrator_bench"):
+        return prefix + name[len("orchestrator_bench"):]
+    return name
+
+
 def scratch_database(kind: str, name: str = "orchestrator_bench") -> dict[str, str]:
     """Point this process (and children) at an empty database of ``kind`` (sqlite|postgres)."""
     env: dict[str, str] = {}
+    name = scratch_name(name)
     if kind == "postgres":
         import psycopg
 
@@ -94,3 +103,139 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> float:
 def cleanup(path: str | None) -> None:
     if path:
         shutil.rmtree(Path(path).parent, ignore_errors=True)
+
+
+# --- what the database did: transactions and statements over a window --------------------------
+
+def postgres_counters(database_url: str) -> dict[str, int]:
+    """This database's ``pg_stat_database`` counters, plus ``pg_stat_statements`` calls if loaded.
+
+    The server publishes a backend's counts at the end of its transactions at most once a second
+    (and when it exits), so a window read while workers run is exact within a second's worth.
+    """
+    import psycopg
+
+    name = database_url.rsplit("/", 1)[1].split("?")[0]
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT xact_commit, xact_rollback, tup_returned, tup_fetched, tup_inserted, tup_updated, tup_deleted "
+            "FROM pg_stat_database WHERE datname = %s", (name,)).fetchone()
+        counters = dict(zip(("xact_commit", "xact_rollback", "tup_returned", "tup_fetched", "tup_inserted",
+                             "tup_updated", "tup_deleted"), row))
+        if pg_stat_statements_ready(conn):
+            counters["pgss_calls"] = conn.execute(
+                "SELECT coalesce(sum(calls), 0) FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid "
+                "WHERE d.datname = %s", (name,)).fetchone()[0]
+    return counters
+
+
+_PGSS: dict[str, object] = {}
+
+
+def pg_stat_statements_ready(conn) -> bool:
+    """Create ``pg_stat_statements`` in this database if the server preloads it; else False."""
+    if "ready" not in _PGSS:
+        preload = conn.execute("SHOW shared_preload_libraries").fetchone()[0]
+        ready = "pg_stat_statements" in preload
+        if ready:
+            try:
+                conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            except Exception as exc:  # no permission: fall back like an unloaded one
+                _PGSS["why"] = f"CREATE EXTENSION failed: {exc}"
+                ready = False
+        else:
+            _PGSS["why"] = ("pg_stat_statements is not in shared_preload_libraries "
+                            f"({preload or 'empty'}): statements counted by the processes' own cursors")
+        _PGSS["ready"] = ready
+    return bool(_PGSS["ready"])
+
+
+def pg_stat_statements_note() -> str:
+    return "" if _PGSS.get("ready") else str(_PGSS.get("why", ""))
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
+def wait_workers(count: int, since, timeout: float = 120) -> None:
+    """Until ``count`` worker processes have written a heartbeat since ``since`` (they are up)."""
+    from django.db import connection
+
+    from jobs.models import WorkerHeartbeat
+
+    wait_until(lambda: WorkerHeartbeat.objects.filter(last_seen__gte=since).count() >= count, timeout, 0.2)
+    connection.close()
+
+
+# --- py-spy ---------------------------------------------------------------------------------------
+
+def start_profile(pid: int, out: Path, rate: int = 50) -> subprocess.Popen:
+    """``py-spy record`` of process ``pid`` and its children, collapsed stacks (idle included)."""
+    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if spy is None:
+        raise SystemExit("py-spy is not installed: .venv/bin/pip install -e '.[bench]'")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--idle", "--nonblocking",
+                             "--nolineno", "--rate", str(rate), "--format", "raw", "--output", str(out)],
+                            stdout=open(out.with_suffix(".log"), "w"), stderr=subprocess.STDOUT)
+
+
+def stop_profile(process: subprocess.Popen) -> None:
+    """Stop recording (SIGINT makes py-spy write its file)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+class Window:
+    """Transactions and statements of the scratch database between ``open()`` and ``close()``.
+
+    PostgreSQL: ``pg_stat_database`` commits + rollbacks (``pg_stat_statements`` calls when the
+    server preloads it), less the benchmark's own polls; both databases: what the processes
+    counted (``bench.counting``, flushed to ``count_url``) plus ``extra`` counted in this process.
+    """
+
+    def __init__(self, database_url: str | None, count_url: str):
+        self.database_url = database_url
+        self.count_url = count_url
+        self.polls = 0
+
+    def open(self) -> None:
+        from bench import counting
+
+        time.sleep(0.5)  # a connection just closed publishes its counts as its backend exits
+        self.pg = postgres_counters(self.database_url) if self.database_url else None
+        self.counted = counting.flushed_counts(self.count_url)
+
+    def poll(self, predicate, statements: int = 1):
+        """A check of the benchmark's own (``statements`` autocommit statements), left out of the counts."""
+        from bench import counting
+
+        with counting.paused():
+            self.polls += statements
+            return predicate()
+
+    def close(self, units: int, extra: dict | None = None) -> dict:
+        """Per unit: ``xact`` (server; None on SQLite), ``statements``, ``counted_xact``, and the source."""
+        from django.db import connections
+
+        from bench import counting
+
+        connections.close_all()  # the server publishes this backend's counts when it exits
+        time.sleep(0.5)
+        counted = counters_delta(self.counted, counting.flushed_counts(self.count_url))
+        for key, value in (extra or {}).items():
+            counted[key] += value
+        result = {"xact": None, "statements": counted["statements"] / units,
+                  "counted_xact": counted["transactions"] / units, "statements_source": "counted"}
+        if self.database_url:
+            delta = counters_delta(self.pg, postgres_counters(self.database_url))
+            result["xact"] = (delta["xact_commit"] + delta["xact_rollback"] - self.polls - 1) / units
+            if "pgss_calls" in delta:
+                result["statements"] = (delta["pgss_calls"] - self.polls) / units
+                result["statements_source"] = "pg_stat_statements"
+        return result

@@ -1,15 +1,34 @@
-"""End-to-end run throughput on real workers, next to the queue's trivial-job rate.
+"""End-to-end run throughput and latency on real workers, next to bare django-q2 on the same broker.
 
-    .venv/bin/python bench/runs.py [--db sqlite|postgres] [--runs 100]
+    .venv/bin/python bench/runs.py [--db sqlite|postgres] [--runs 40] [--tasks 1000] [--latency-runs 30]
+                                   [--profile]
 
-One ``qcluster`` with 2 workers. Measures, in the same run: trivial ``noop`` jobs per second
-(the queue's ceiling), runs per second for a 1-agent 1-task 1-step plan, and for a 2 × 3 × 2
-plan (12 steps), each from ``run_start`` of a batch to its last completion.
+One ``qcluster`` with 2 workers; ``--db postgres`` uses a scratch PostgreSQL database and the
+Redis broker (``BENCH_POSTGRES_URL``, ``BENCH_DATABASE_PREFIX``, ``BENCH_REDIS_URL`` as in
+``bench/scale.py``), ``--db sqlite`` the embedded default (SQLite, the ORM broker). Measured in
+the same run:
+
+* bare django-q2: ``--tasks`` trivial tasks (``bench.counting.counted``, ``save=False``) on the
+  same broker, tasks/s from the first execution to the last (the stack's ceiling);
+* ``--runs`` runs of a 2 agents × 3 tasks × 2 ``echo`` steps plan, created first and started
+  together: steps/s from the first ``run_start`` to the last run's ``completed_at``, as a ratio
+  to the bare tasks/s; transactions and statements per step over that window (as in
+  ``bench/scale.py``: ``pg_stat_database``, the processes' own counts, the ``run_start`` calls
+  of the benchmark included, its polling left out; heartbeats and maintenance of the window too);
+* the latency of a 1-step run on idle workers: ``run_start`` → ``completed_at``, one run at a
+  time, p50 and p99 over ``--latency-runs`` runs;
+* ``invariants_check`` at the end.
+
+Exit status 1 (the reason on stderr) when a run does not complete, nothing moves for
+``--stall-seconds``, a bare task is lost or runs twice, or an invariant is violated.
+``--profile``: one more batch of ``--runs`` runs under ``py-spy record --subprocesses`` (not in
+the figures), collapsed stacks to ``bench/out/profile-runs-<db>.folded``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +36,18 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
-from bench._common import scratch_database, start_cluster, stop_cluster, wait_until  # noqa: E402
+from bench import counting  # noqa: E402
+from bench._common import (Window, percentile, pg_stat_statements_note, scratch_database,  # noqa: E402
+                           start_cluster, start_profile, stop_cluster, stop_profile, wait_workers)
+
+REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
+SHAPE = (2, 3, 2)
+STEPS_PER_RUN = SHAPE[0] * SHAPE[1] * SHAPE[2]
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+class BenchFailure(Exception):
+    pass
 
 
 def plan(agents, tasks, steps):
@@ -26,72 +56,213 @@ def plan(agents, tasks, steps):
         for t in range(tasks)]} for a in range(agents)]}
 
 
-def runs_per_second(project, shape, count, env, log):
+def _cluster(env: dict, log: Path):
+    from django.utils import timezone
+
+    since = timezone.now()
+    process = start_cluster(env, log)
+    try:
+        wait_workers(2, since)
+    except Exception:
+        stop_cluster(process)
+        raise
+    return process
+
+
+def bare_rate(n: int, env: dict, out: Path) -> float:
+    import redis
+    from django.db import connections
+    from django_q.tasks import async_task
+
+    redis.Redis.from_url(REDIS_URL).flushdb()
+    for index in range(n):
+        async_task("bench.counting.counted", index, n, REDIS_URL, save=False)
+    connections.close_all()
+    process = _cluster(env, out / "runs-bare.log")
+    try:
+        counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
+    except TimeoutError as exc:
+        raise BenchFailure(f"bare django-q2: {exc}") from exc
+    finally:
+        stop_cluster(process)
+    problems = counting.executions_check(REDIS_URL, range(n))
+    if problems:
+        raise BenchFailure("bare django-q2: " + "; ".join(problems))
+    return counting.counted_rate(REDIS_URL, n)
+
+
+def _wait_runs(ids: list[int], window: Window | None) -> None:
+    """Until every run is terminal; fails once no step completed for ``STALL_S``."""
+    from runs.models import Run, Step
+
+    def done_and_progress():
+        return (Run.objects.filter(pk__in=ids, status__in=TERMINAL).count(),
+                Step.objects.filter(run_id__in=ids, status="completed").count())
+
+    last, last_change = None, time.monotonic()
+    while True:
+        terminal, steps = window.poll(done_and_progress, statements=2) if window else done_and_progress()
+        if terminal == len(ids):
+            return
+        if (terminal, steps) != last:
+            last, last_change = (terminal, steps), time.monotonic()
+        elif time.monotonic() - last_change > STALL_S:
+            raise BenchFailure(f"{terminal} of {len(ids)} runs ended, {steps} steps completed, and nothing moved "
+                               f"for {STALL_S:.0f} s")
+        time.sleep(0.25)
+
+
+def batch(project, count: int, env: dict, out: Path, database_url: str | None, profile: Path | None = None):
+    """``count`` runs of SHAPE started together: (steps/s, counts per step)."""
+    from django.db import connections
+    from django.db.models import Max
+    from django.utils import timezone
+
     from runs import services
     from runs.models import Run
 
-    ids = [services.run_create(project=project, name=f"bench {shape}", plan=plan(*shape)).pk for _ in range(count)]
-    process = start_cluster(env, log)
+    ids = [services.run_create(project=project, name="bench 2x3x2", plan=plan(*SHAPE)).pk for _ in range(count)]
+    connections.close_all()
+    window = Window(database_url, REDIS_URL)
+    process = _cluster(env, out / f"runs-batch{'-profiled' if profile else ''}.log")
+    spy = start_profile(process.pid, profile) if profile else None
     try:
-        time.sleep(2)
-        start = time.monotonic()
+        window.open()
+        before = counting.local_counts()
+        started = timezone.now()
         for run_id in ids:
             services.run_start(run_id=run_id)
-        wait_until(lambda: Run.objects.filter(pk__in=ids, status="completed").count() == count, timeout=900,
-                   interval=0.2)
-        elapsed = time.monotonic() - start
+        local = counting.local_counts()
+        mine = {key: local[key] - before[key] for key in local}
+        _wait_runs(ids, window)
     finally:
+        if spy:
+            stop_profile(spy)
         stop_cluster(process)
-    failed = Run.objects.filter(pk__in=ids).exclude(status="completed").count()
-    return count / elapsed, failed
+    counts = window.close(count * STEPS_PER_RUN, extra=mine)
+    failed = list(Run.objects.filter(pk__in=ids).exclude(status="completed").values_list("pk", "status",
+                                                                                       "last_error_code")[:10])
+    if failed:
+        raise BenchFailure(f"runs not completed (id, status, error): {failed}")
+    last = Run.objects.filter(pk__in=ids).aggregate(last=Max("completed_at"))["last"]
+    return count * STEPS_PER_RUN / (last - started).total_seconds(), counts
 
 
-def noop_per_second(project, count, env, log):
-    from jobs.models import Job
-    from jobs.services import job_enqueue
+def latency(project, count: int, env: dict, out: Path) -> tuple[float, float]:
+    """ms from ``run_start`` to ``completed_at`` of 1-step runs, one at a time, on idle workers."""
+    from django.utils import timezone
 
-    for index in range(count):
-        job_enqueue(job_type="noop", project=project, payload={"value": index})
-    process = start_cluster(env, log)
+    from runs import services
+    from runs.models import Run
+
+    process = _cluster(env, out / "runs-latency.log")
+    values = []
     try:
-        start = time.monotonic()
-        wait_until(lambda: not Job.objects.filter(type="noop").exclude(state="completed").exists(), timeout=600)
-        return count / (time.monotonic() - start)
+        for _ in range(count):
+            run = services.run_create(project=project, name="bench 1x1x1", plan=plan(1, 1, 1))
+            time.sleep(0.2)  # idle workers: the previous run's last jobs are done
+            started = timezone.now()
+            services.run_start(run_id=run.pk)
+            deadline = time.monotonic() + STALL_S
+            while True:
+                status, completed_at = Run.objects.filter(pk=run.pk).values_list("status", "completed_at").get()
+                if status in TERMINAL:
+                    break
+                if time.monotonic() > deadline:
+                    raise BenchFailure(f"1-step run {run.pk} still {status} after {STALL_S:.0f} s")
+                time.sleep(0.01)
+            if status != "completed":
+                raise BenchFailure(f"1-step run {run.pk} ended {status}")
+            values.append((completed_at - started).total_seconds() * 1000)
     finally:
         stop_cluster(process)
+    return percentile(values, 50), percentile(values, 99)
+
+
+STALL_S = 120.0
 
 
 def main():
+    global STALL_S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
-    parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--runs", type=int, default=40, help="runs of 2x3x2 started together (default 40)")
+    parser.add_argument("--tasks", type=int, default=1000, help="bare django-q2 tasks (default 1000)")
+    parser.add_argument("--latency-runs", type=int, default=30, help="1-step runs timed one by one (default 30)")
+    parser.add_argument("--stall-seconds", type=float, default=120)
+    parser.add_argument("--profile", action="store_true",
+                        help="one more batch under py-spy (bench/out/profile-runs-<db>.folded)")
     args = parser.parse_args()
+    if args.runs < 1 or args.tasks < 2 or args.latency_runs < 1 or args.stall_seconds <= 0:
+        sys.exit("--runs and --latency-runs must be at least 1, --tasks at least 2, --stall-seconds positive")
+    STALL_S = args.stall_seconds
     env = scratch_database(args.db, name="orchestrator_bench_runs")
     env.update({"ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "1000000", "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "1000000",
-                "ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": "bench-runs"})
-    import os
-
+                "ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": "bench-runs",
+                "DJANGO_SETTINGS_MODULE": "bench.settings"})
+    if args.db == "postgres":
+        env["REDIS_URL"] = REDIS_URL
+    else:
+        os.environ.pop("REDIS_URL", None)
+        env["ORCHESTRATOR_RATE_LIMIT_STORE"] = "database"
     os.environ.update(env)
+    database_url = env.get("DATABASE_URL")
+    child_env = {**env, "BENCH_COUNT_URL": REDIS_URL}
     import django
     from django.core.management import call_command
 
     django.setup()
     call_command("migrate", verbosity=0)
+    import logging
+
+    logging.getLogger("orchestrator.transitions").setLevel(logging.WARNING)
+    counting.install()  # this process: its run_start calls count with the workers' statements
     from billing.services import organization_create
+    from runs.invariants import invariants_check
 
     _, project, _, _ = organization_create(name="bench", owner_username="bench", credits=10_000_000)
     out = HERE / "out"
     out.mkdir(exist_ok=True)
-    jobs_rate = noop_per_second(project, args.jobs, env, out / "runs-noop.log")
-    small, small_failed = runs_per_second(project, (1, 1, 1), args.runs, env, out / "runs-small.log")
-    large, large_failed = runs_per_second(project, (2, 3, 2), max(10, args.runs // 4), env, out / "runs-large.log")
-    print(f"database={args.db} workers=2")
-    print(f"queue noop jobs          : {jobs_rate:7.1f} jobs/s")
-    print(f"runs 1x1x1 (1 step)      : {small:7.2f} runs/s  ({small / jobs_rate:.3f} of the noop rate; "
-          f"~3 jobs per run){' FAILED ' + str(small_failed) if small_failed else ''}")
-    print(f"runs 2x3x2 (12 steps)    : {large:7.2f} runs/s  ({large * 12:.1f} steps/s; "
-          f"{large * 12 / jobs_rate:.3f} of the noop rate per step){' FAILED ' + str(large_failed) if large_failed else ''}")
+    load_before = os.getloadavg()[0]
+    try:
+        tasks_rate = bare_rate(args.tasks, child_env, out)
+        print(f"bare django-q2: {tasks_rate:.0f} tasks/s", flush=True)
+        steps_rate, counts = batch(project, args.runs, child_env, out, database_url)
+        print(f"batch: {steps_rate:.1f} steps/s", flush=True)
+        p50, p99 = latency(project, args.latency_runs, child_env, out)
+        profiled = None
+        if args.profile:
+            profiled, _ = batch(project, args.runs, env, out, database_url,  # no statement counters
+                                profile=out / f"profile-runs-{args.db}.folded")
+    except BenchFailure as exc:
+        print(f"\nFAILED: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    violations = invariants_check()
+
+    def fmt(value):
+        return "-" if value is None else f"{value:.1f}"
+
+    print()
+    print(f"database={args.db} broker={'redis' if args.db == 'postgres' else 'orm'} 1 qcluster x 2 workers; "
+          f"{os.cpu_count()} CPU cores shared (1-minute load average {load_before:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end)")
+    print(f"bare django-q2 (trivial task, save=False) : {tasks_rate:8.1f} tasks/s")
+    print(f"{args.runs} runs x {STEPS_PER_RUN} steps (2x3x2 echo), together : {steps_rate:8.1f} steps/s "
+          f"({steps_rate / STEPS_PER_RUN:.2f} runs/s); steps/s / bare tasks/s = {steps_rate / tasks_rate:.4f}")
+    print(f"per step: transactions {fmt(counts['xact'])} (pg_stat_database) / {fmt(counts['counted_xact'])} "
+          f"(counted by the processes), statements {fmt(counts['statements'])} ({counts['statements_source']})")
+    if counts["statements_source"] == "counted" and args.db == "postgres":
+        print(f"  statements: {pg_stat_statements_note()}")
+    print(f"1-step run, run_start -> completed, idle workers ({args.latency_runs} runs): p50 {p50:.0f} ms, "
+          f"p99 {p99:.0f} ms")
+    if profiled:
+        print(f"profiled batch (py-spy, not above): {profiled:.1f} steps/s -> bench/out/profile-runs-{args.db}.folded")
+    print(f"check_invariants: {len(violations)} violation(s)")
+    for violation in violations[:10]:
+        print(f"  {violation}")
+    if violations:
+        print("\nFAILED: invariant violations", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

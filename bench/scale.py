@@ -1,25 +1,42 @@
-"""Scale-out throughput: jobs/s with 1 and 2 ``qcluster`` processes, next to Celery on the same Redis.
+"""Scale-out throughput: jobs/s with 1 and 2 ``qcluster`` processes, next to bare django-q2 and Celery.
 
-    .venv/bin/python bench/scale.py [--jobs 2000] [--rounds 1] [--no-bare]
+    .venv/bin/python bench/scale.py [--jobs 2000] [--rounds 1] [--no-bare] [--latency-seconds 10]
+                                    [--sqlite] [--profile]
 
 Our side: PostgreSQL (a scratch database) and the Redis broker; each cluster runs 2 workers;
 ``ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY`` is 4 in both cases (``--concurrency``), so the cap
-never binds. N ``noop``
-jobs are enqueued first (no wake message), then the clusters start and are woken; the rate is
-N / (first job started → last job completed), read from the job table, so process start-up
-does not count. The outside baseline, in the same run: Celery 5.7 with the same Redis server
-(another database number), 1 and 2 worker processes of ``--concurrency 2`` (prefork), running
-the same trivial function on N pre-published tasks; each task counts itself in Redis, and the
-rate is N / (first task → last task). Bare django-q2 on the same broker runs the same function
-the same way (``save=False``: nothing written to PostgreSQL), the same-stack rows. Next to each
-rate: how busy the machine's CPUs were from the workers' start to the last job (``/proc/stat``,
-every process on the machine), which says whether a second process had any core left to use. Each configuration runs
-``--rounds`` times, interleaved; the table shows the best round (the machine is shared) and
-every round.
+never binds. Every stack runs the same body, ``bench.counting.counted`` (one Redis round trip
+that counts the execution per job id): in our queue as the ``bench_counted`` job type (``noop``'s
+definition, registered by the benchmarks' own settings ``bench/settings.py``), in bare django-q2
+(``async_task(..., save=False)``, nothing written to the database) and in Celery 5.7 (prefork
+workers of ``-c 2``, the same Redis server, the next database number). N jobs are enqueued
+first (our wake messages held back), the processes start, and once every worker is up they are
+woken: the rate is N / (first execution → N-th execution), so process start-up does not count.
 
-Needs PostgreSQL (``BENCH_POSTGRES_URL``, default ``postgres://postgres@127.0.0.1:5432/postgres``),
-Redis (``BENCH_REDIS_URL``, default ``redis://127.0.0.1:6379/14``; flushed) and Celery
-(``.venv/bin/pip install -e '.[bench]'``).
+Printed next to each rate: how busy the machine's CPUs were (``/proc/stat``, every process on the
+machine); the ratios ours / bare django-q2, ours / Celery and 2 clusters / 1 cluster;
+transactions per job (``pg_stat_database`` commits + rollbacks of the scratch database from the
+wake to the processes' exit, the benchmark's own polling taken out) and statements per job
+(``pg_stat_statements`` when the server preloads it, else counted by the processes' own cursors,
+see ``bench/counting``); both include what the workers do besides jobs in that window
+(heartbeats, maintenance, the broker's polling with the ORM broker). Then queued → executing
+latency (p50/p99 of ``started_at - queued_at`` of the job rows) of our queue under a steady
+stream at 60 % of its measured rate, with 1 and 2 clusters.
+
+The benchmark FAILS (exit status 1, the reason on stderr) when any job is lost or executed more
+than once (the Redis count per job id; for our queue also a job not ``completed`` or with more
+than one attempt), or when nothing progresses for ``--stall-seconds``.
+
+``--sqlite``: the embedded default instead, SQLite and the ORM broker, against bare django-q2
+on the ORM broker (no Celery); statements and transactions are counted by the processes.
+``--profile``: one more one-cluster pass of our queue under ``py-spy record --subprocesses``
+(not in the figures), collapsed stacks to ``bench/out/profile-scale-<db>.folded`` (see
+``bench/profile_top.py``).
+
+Needs PostgreSQL (``BENCH_POSTGRES_URL``, default ``postgres://postgres@127.0.0.1:5432/postgres``;
+``BENCH_DATABASE_PREFIX`` renames the scratch database ``orchestrator_bench_scale``), Redis
+(``BENCH_REDIS_URL``, default ``redis://127.0.0.1:6379/14``, and the next database number for
+Celery; both flushed) and Celery and py-spy (``.venv/bin/pip install -e '.[bench]'``).
 """
 
 from __future__ import annotations
@@ -28,6 +45,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,46 +53,18 @@ BASE_DIR = HERE.parent
 # bench/ holds a queue.py: keep it off the import path so the standard library's ``queue`` is found.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 sys.path.insert(0, str(BASE_DIR))
-from bench._common import start_process, stop_process  # noqa: E402
+from bench import counting  # noqa: E402
+from bench._common import (Window, percentile, pg_stat_statements_note, start_process,  # noqa: E402
+                           start_profile, stop_process, stop_profile, wait_workers)
+
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 # Celery uses the next database number of the same server, so the two never share keys.
 _base, _, _db = REDIS_URL.rpartition("/")
 CELERY_BROKER_URL = f"{_base}/{(int(_db) + 1) % 16 if _db.isdigit() else 1}"
-COUNTER = "bench:scale:done"
 
 
-def trivial(value):
-    """The work of one job: what our ``noop`` job type returns for ``{"value": value}``."""
-    return {"echo": value}
-
-
-_counters: dict = {}
-
-
-def counted(value, total, redis_url):
-    """``trivial``, then count the execution in Redis and stamp the first and the last one.
-
-    The bare django-q2 and Celery baselines run this same function, so they finish the same
-    way: the ``total``-th execution marks the end.
-    """
-    import redis
-
-    trivial(value)
-    client = _counters.get(redis_url)
-    if client is None:
-        client = _counters[redis_url] = redis.Redis.from_url(redis_url)
-    done = client.incr(COUNTER)
-    if done == 1 or done == total:
-        client.set(f"{COUNTER}:{done}", repr(time.time()))
-
-
-def counted_rate(redis_url: str, n: int, timeout: float) -> float:
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    wait_until(lambda: int(client.get(COUNTER) or 0) >= n, timeout=timeout, interval=0.1)
-    first, last = float(client.get(f"{COUNTER}:1")), float(client.get(f"{COUNTER}:{n}"))
-    return n / (last - first)
+class BenchFailure(Exception):
+    """A job was lost or ran twice, or the benchmark stalled."""
 
 
 # --- the Celery baseline (this module is also the workers' app: ``-A bench.scale:celery_app``) ----
@@ -90,8 +80,8 @@ if Celery is not None:
                            broker_connection_retry_on_startup=True, worker_prefetch_multiplier=4)
 
     @celery_app.task(name="bench.scale.counted")
-    def counted_task(value, total, redis_url):
-        counted(value, total, redis_url)
+    def counted_task(key, total, redis_url):
+        counting.counted(key, total, redis_url)
 
 
 def cpu_times() -> tuple[int, int]:
@@ -106,66 +96,135 @@ def busy_percent(before: tuple[int, int], after: tuple[int, int]) -> float:
     return 100 * (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> None:
+@dataclass
+class Result:
+    rate: float
+    cpu: float
+    xact: float | None = None  # per job
+    statements: float | None = None  # per job
+    counted_xact: float | None = None  # per job, counted by the processes
+    problems: list[str] = field(default_factory=list)
+
+
+def _wait(predicate, window: Window, timeout: float) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(interval)
-    raise TimeoutError("the benchmark did not finish in time")
+    while not window.poll(predicate):
+        if time.monotonic() > deadline:
+            raise BenchFailure(f"jobs not completed {timeout:.0f} s after their last execution")
+        time.sleep(0.2)
 
 
-def measure_ours(clusters: int, n: int, project, env: dict, out: Path) -> tuple[float, float]:
+def _flush_redis() -> None:
     import redis
-    from django.db.models import Max, Min
 
-    from jobs import wake
+    redis.Redis.from_url(REDIS_URL).flushdb()
+
+
+def _jobs_check(ids: list[int]) -> list[str]:
     from jobs.models import Job
+
+    problems = []
+    unfinished = Job.objects.filter(pk__in=ids).exclude(state="completed").count()
+    if unfinished:
+        problems.append(f"{unfinished} jobs not completed")
+    retried = list(Job.objects.filter(pk__in=ids, attempts__gt=1).values_list("pk", "attempts")[:10])
+    if retried:
+        problems.append(f"jobs claimed more than once (id, attempts): {retried}")
+    return problems
+
+
+def _enqueue(n: int, project, total: int) -> list[int]:
+    from jobs import wake
     from jobs.services import job_enqueue
 
-    Job.objects.all().delete()
-    redis.Redis.from_url(REDIS_URL).flushdb()
     send = wake._send
     wake._send = lambda count: None  # fill the table first; the clusters are woken once started
     try:
-        for index in range(n):
-            job_enqueue(job_type="noop", project=project, payload={"value": index})
+        return [job_enqueue(job_type="bench_counted", project=project,
+                            payload={"value": index, "total": total, "redis": REDIS_URL}).job.pk
+                for index in range(n)]
     finally:
         wake._send = send
-    before = cpu_times()
-    processes = [start_process([sys.executable, "manage.py", "qcluster"], env, out / f"scale-ours-{clusters}-{i}.log")
+
+
+def _start_clusters(clusters: int, env: dict, out: Path, label: str) -> list:
+    from django.utils import timezone
+
+    since = timezone.now()
+    processes = [start_process([sys.executable, "manage.py", "qcluster"], env, out / f"scale-{label}-{i}.log")
                  for i in range(clusters)]
     try:
-        wake.wake_workers(2 * clusters, force=True)
-        wait_until(lambda: not Job.objects.exclude(state="completed").exists(), timeout=900, interval=0.2)
-        after = cpu_times()
-    finally:
+        wait_workers(2 * clusters, since)
+    except Exception:
         for process in processes:
             stop_process(process)
-    span = Job.objects.aggregate(first=Min("started_at"), last=Max("completed_at"))
-    return n / (span["last"] - span["first"]).total_seconds(), busy_percent(before, after)
+        raise
+    return processes
 
 
-def measure_bare(clusters: int, n: int, env: dict, out: Path) -> tuple[float, float]:
+def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_url: str | None,
+                 profile: Path | None = None) -> Result:
+    from jobs import wake
+    from jobs.models import Job
+
+    Job.objects.all().delete()
+    _flush_redis()
+    ids = _enqueue(n, project, n)
+    window = Window(database_url, REDIS_URL)
+    processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
+    spy = start_profile(processes[0].pid, profile) if profile else None
+    try:
+        window.open()
+        before = cpu_times()
+        wake.wake_workers(2 * clusters, force=True)
+        counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
+        after = cpu_times()
+        if spy:
+            stop_profile(spy)
+        _wait(lambda: not Job.objects.filter(pk__in=ids).exclude(state="completed").exists(), window, STALL_S)
+    except TimeoutError as exc:
+        raise BenchFailure(f"our queue, {clusters} cluster(s): {exc}; "
+                           f"{'; '.join(counting.executions_check(REDIS_URL, ids))}") from exc
+    finally:
+        if spy:
+            stop_profile(spy)
+        for process in processes:
+            stop_process(process)
+    counts = window.close(n)
+    problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
+    return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
+                  counts["statements"], counts["counted_xact"], problems)
+
+
+def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str | None) -> Result:
     """Bare django-q2 on the same broker: ``counted`` tasks, no result saved (as Celery's)."""
-    import redis
+    from django.db import connections
     from django_q.tasks import async_task
 
-    redis.Redis.from_url(REDIS_URL).flushdb()
+    _flush_redis()
     for index in range(n):
-        async_task("bench.scale.counted", index, n, REDIS_URL, save=False)
-    before = cpu_times()
-    processes = [start_process([sys.executable, "manage.py", "qcluster"], env, out / f"scale-bare-{clusters}-{i}.log")
-                 for i in range(clusters)]
+        async_task("bench.counting.counted", index, n, REDIS_URL, save=False)
+    connections.close_all()
+    window = Window(database_url, REDIS_URL)
+    # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
+    processes = _start_clusters(clusters, env, out, f"bare-{clusters}")
     try:
-        rate = counted_rate(REDIS_URL, n, timeout=900)
-        return rate, busy_percent(before, cpu_times())
+        window.open()
+        before = cpu_times()
+        counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
+        after = cpu_times()
+    except TimeoutError as exc:
+        raise BenchFailure(f"bare django-q2, {clusters} cluster(s): {exc}; "
+                           f"{'; '.join(counting.executions_check(REDIS_URL, range(n)))}") from exc
     finally:
         for process in processes:
             stop_process(process)
+    counts = window.close(n)
+    return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
+                  counts["statements"], counts["counted_xact"], counting.executions_check(REDIS_URL, range(n)))
 
 
-def measure_celery(workers: int, n: int, out: Path) -> tuple[float, float]:
+def measure_celery(workers: int, n: int, out: Path) -> Result:
     import redis
 
     redis.Redis.from_url(CELERY_BROKER_URL).flushdb()
@@ -178,34 +237,98 @@ def measure_celery(workers: int, n: int, out: Path) -> tuple[float, float]:
                                {"BENCH_REDIS_URL": REDIS_URL}, out / f"scale-celery-{workers}-{i}.log")
                  for i in range(workers)]
     try:
-        rate = counted_rate(CELERY_BROKER_URL, n, timeout=900)
-        return rate, busy_percent(before, cpu_times())
+        counting.wait_counted(CELERY_BROKER_URL, n, stall_s=STALL_S)
+        after = cpu_times()
+    except TimeoutError as exc:
+        raise BenchFailure(f"Celery, {workers} worker(s): {exc}") from exc
     finally:
         for process in processes:
             stop_process(process)
+    return Result(counting.counted_rate(CELERY_BROKER_URL, n), busy_percent(before, after),
+                  problems=counting.executions_check(CELERY_BROKER_URL, range(n)))
+
+
+def measure_latency(clusters: int, rate: float, seconds: float, project, env: dict, out: Path):
+    """p50/p99 of queued → executing (ms) under a steady stream of ``rate`` jobs/s."""
+    from jobs.models import Job
+    from jobs.services import job_enqueue
+
+    Job.objects.all().delete()
+    _flush_redis()
+    processes = _start_clusters(clusters, env, out, f"latency-{clusters}")
+    ids: list[int] = []
+    try:
+        interval = 1.0 / rate
+        next_at = time.monotonic()
+        end = next_at + seconds
+        while time.monotonic() < end:
+            ids.append(job_enqueue(job_type="bench_counted", project=project,
+                                   payload={"value": len(ids), "total": 0, "redis": REDIS_URL}).job.pk)
+            next_at += interval
+            time.sleep(max(0.0, next_at - time.monotonic()))
+        counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
+        deadline = time.monotonic() + STALL_S
+        while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+    except TimeoutError as exc:
+        raise BenchFailure(f"latency, {clusters} cluster(s): {exc}; "
+                           f"{'; '.join(counting.executions_check(REDIS_URL, ids))}") from exc
+    finally:
+        for process in processes:
+            stop_process(process)
+    problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
+    waits = [(started - queued).total_seconds() * 1000
+             for queued, started in Job.objects.filter(pk__in=ids).values_list("queued_at", "started_at")]
+    return percentile(waits, 50), percentile(waits, 99), len(ids), problems
+
+
+STALL_S = 60.0
+
+
+def _fail(message: str) -> None:
+    print(f"\nFAILED: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def main() -> None:
+    global STALL_S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-bare", action="store_true", help="skip the bare django-q2 rows")
     parser.add_argument("--concurrency", type=int, default=4,
                         help="our ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY (default 4: every worker of 2 clusters)")
+    parser.add_argument("--latency-seconds", type=float, default=10,
+                        help="length of the steady stream of the latency measure (0: skip it)")
+    parser.add_argument("--stall-seconds", type=float, default=60,
+                        help="fail when no job executes for this long (default 60)")
+    parser.add_argument("--sqlite", action="store_true",
+                        help="the embedded default: SQLite and the ORM broker, against bare django-q2 on it")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more one-cluster pass of our queue under py-spy (bench/out/profile-scale-*.folded)")
     args = parser.parse_args()
-    if celery_app is None:
+    if celery_app is None and not args.sqlite:
         sys.exit("Celery is not installed: .venv/bin/pip install -e '.[bench]'")
-    if args.jobs < 2 or args.rounds < 1 or args.concurrency < 1:
-        sys.exit("--jobs must be at least 2, --rounds and --concurrency at least 1")
+    if args.jobs < 2 or args.rounds < 1 or args.concurrency < 1 or args.stall_seconds <= 0:
+        sys.exit("--jobs must be at least 2, --rounds and --concurrency at least 1, --stall-seconds positive")
+    STALL_S = args.stall_seconds
 
     from bench._common import scratch_database
 
-    env = scratch_database("postgres", name="orchestrator_bench_scale")
-    env.update({"REDIS_URL": REDIS_URL, "ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": "bench-scale",
+    env = scratch_database("sqlite" if args.sqlite else "postgres", name="orchestrator_bench_scale")
+    env.update({"ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": "bench-scale",
                 "ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY": str(args.concurrency),
                 "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000",
-                "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500"})
+                "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500",
+                "DJANGO_SETTINGS_MODULE": "bench.settings"})
+    if args.sqlite:
+        os.environ.pop("REDIS_URL", None)
+        env["ORCHESTRATOR_RATE_LIMIT_STORE"] = "database"
+    else:
+        env["REDIS_URL"] = REDIS_URL
     os.environ.update(env)
+    database_url = env.get("DATABASE_URL")
+    child_env = {**env, "BENCH_COUNT_URL": REDIS_URL}
     import django
     from django.core.management import call_command
 
@@ -219,41 +342,84 @@ def main() -> None:
     _, project, _, _ = organization_create(name="bench", owner_username="bench")
     out = HERE / "out"
     out.mkdir(parents=True, exist_ok=True)
+    db_label = "sqlite" if args.sqlite else "postgres"
 
-    rows = [("ours", "our queue (noop jobs), qclusters", lambda c: measure_ours(c, args.jobs, project, env, out))]
+    rows = [("ours", "our queue, qclusters",
+             lambda c: measure_ours(c, args.jobs, project, child_env, out, database_url))]
     if not args.no_bare:
-        rows.append(("bare", "bare django-q2 (same function), qclusters",
-                     lambda c: measure_bare(c, args.jobs, env, out)))
-    rows.append(("celery", "Celery 5.7, workers of -c 2", lambda c: measure_celery(c, args.jobs, out)))
-    rounds: dict[tuple[str, int], list[float]] = {}
-    busy: dict[tuple[str, int], list[float]] = {}
+        rows.append(("bare", "bare django-q2, qclusters",
+                     lambda c: measure_bare(c, args.jobs, child_env, out, database_url)))
+    if not args.sqlite:
+        rows.append(("celery", "Celery 5.7, workers of -c 2", lambda c: measure_celery(c, args.jobs, out)))
+    results: dict[tuple[str, int], list[Result]] = {}
     load_before = os.getloadavg()[0]
-    for number in range(1, args.rounds + 1):
-        for key, name, measure in rows:
+    try:
+        for number in range(1, args.rounds + 1):
+            for key, name, measure in rows:
+                for processes in (1, 2):
+                    result = measure(processes)
+                    results.setdefault((key, processes), []).append(result)
+                    print(f"round {number}: {name}: {processes}: {result.rate:.0f}/s, machine CPU busy "
+                          f"{result.cpu:.0f}%", flush=True)
+                    if result.problems:
+                        _fail(f"{name}, {processes}: " + "; ".join(result.problems))
+        latency = {}
+        if args.latency_seconds > 0:
             for processes in (1, 2):
-                rate, cpu = measure(processes)
-                rounds.setdefault((key, processes), []).append(rate)
-                busy.setdefault((key, processes), []).append(cpu)
-                print(f"round {number}: {name}: {processes}: {rate:.0f}/s, machine CPU busy "
-                      f"{busy[(key, processes)][-1]:.0f}%", flush=True)
-    best = {key: max(values) for key, values in rounds.items()}
+                stream = max(5.0, 0.6 * max(r.rate for r in results[("ours", processes)]))
+                p50, p99, count, problems = measure_latency(processes, stream, args.latency_seconds, project,
+                                                            child_env, out)
+                if problems:
+                    _fail(f"latency, {processes} cluster(s): " + "; ".join(problems))
+                latency[processes] = (stream, p50, p99, count)
+        profiled = None
+        if args.profile:
+            profile = out / f"profile-scale-{db_label}.folded"
+            # Without the statement counters: the profile shows the code as it runs in production.
+            profiled = measure_ours(1, args.jobs, project, env, out, database_url, profile=profile)
+            if profiled.problems:
+                _fail("profiled pass: " + "; ".join(profiled.problems))
+    except BenchFailure as exc:
+        _fail(str(exc))
+    best = {key: max(values, key=lambda r: r.rate) for key, values in results.items()}
+
+    def fmt(value, spec=".1f"):
+        return "-" if value is None else format(value, spec)
 
     print()
-    print(f"jobs={args.jobs} rounds={args.rounds} global concurrency={args.concurrency}; PostgreSQL + Redis broker; "
-          "2 worker processes per qcluster; "
-          f"{os.cpu_count()} CPU cores shared with other work (1-minute load average {load_before:.1f} at the "
-          f"start, {os.getloadavg()[0]:.1f} at the end); per second, best round")
-    print(f"{'':40}{'1 process':>10}{'2 processes':>13}{'2 / 1':>8}   (each round; machine CPU busy, 1 | 2)")
+    print(f"jobs={args.jobs} rounds={args.rounds} global concurrency={args.concurrency}; "
+          f"{'SQLite + ORM broker' if args.sqlite else 'PostgreSQL + Redis broker'}; 2 worker processes per "
+          f"qcluster; {os.cpu_count()} CPU cores shared with other work (1-minute load average "
+          f"{load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end); per second, best round")
+    print(f"{'':32}{'1 proc':>8}{'2 procs':>9}{'2 / 1':>7}  {'xact/job 1|2':>13}  {'stmt/job 1|2':>13}  "
+          f"(each round; machine CPU busy 1 | 2)")
     for key, name, _ in rows:
         one, two = best[(key, 1)], best[(key, 2)]
-        each = "; ".join(", ".join(f"{v:.0f}" for v in rounds[(key, p)]) for p in (1, 2))
-        cpu = " | ".join(", ".join(f"{v:.0f}%" for v in busy[(key, p)]) for p in (1, 2))
-        print(f"{name:40}{one:10.0f}{two:13.0f}{two / one:8.2f}   ({each}; {cpu})")
-    print(f"{'ours / Celery':40}{best[('ours', 1)] / best[('celery', 1)]:10.2f}"
-          f"{best[('ours', 2)] / best[('celery', 2)]:13.2f}")
-    if not args.no_bare:
-        print(f"{'ours / bare django-q2':40}{best[('ours', 1)] / best[('bare', 1)]:10.2f}"
-              f"{best[('ours', 2)] / best[('bare', 2)]:13.2f}")
+        each = "; ".join(", ".join(f"{r.rate:.0f}" for r in results[(key, p)]) for p in (1, 2))
+        cpu = " | ".join(", ".join(f"{r.cpu:.0f}%" for r in results[(key, p)]) for p in (1, 2))
+        xact = one.xact if not args.sqlite else one.counted_xact
+        xact2 = two.xact if not args.sqlite else two.counted_xact
+        print(f"{name:32}{one.rate:8.0f}{two.rate:9.0f}{two.rate / one.rate:7.2f}  "
+              f"{fmt(xact):>6}|{fmt(xact2):<6}  {fmt(one.statements):>6}|{fmt(two.statements):<6}  ({each}; {cpu})")
+    for other, label in (("bare", "bare django-q2"), ("celery", "Celery")):
+        if (other, 1) in best:
+            print(f"{'ours / ' + label:32}{best[('ours', 1)].rate / best[(other, 1)].rate:8.3f}"
+                  f"{best[('ours', 2)].rate / best[(other, 2)].rate:9.3f}")
+    ours1, ours2 = best[("ours", 1)], best[("ours", 2)]
+    if args.sqlite:
+        print("transactions: counted by the processes (commits and rollbacks of atomic blocks + autocommit "
+              "statements); statements: counted by the processes' cursors")
+    else:
+        print(f"transactions: pg_stat_database commits + rollbacks over the window (counted by the processes: "
+              f"ours {fmt(ours1.counted_xact)}|{fmt(ours2.counted_xact)} per job); statements: "
+              + (pg_stat_statements_note() or "pg_stat_statements calls"))
+    for processes, (stream, p50, p99, count) in latency.items():
+        print(f"queued -> executing, our queue, {processes} cluster(s), {stream:.0f} jobs/s for "
+              f"{args.latency_seconds:.0f} s ({count} jobs): p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+    if profiled:
+        print(f"profiled pass (py-spy, 1 cluster, not in the table): {profiled.rate:.0f} jobs/s -> "
+              f"bench/out/profile-scale-{db_label}.folded")
+    print("check: every job executed exactly once (Redis count per job id; our jobs completed, one attempt each)")
 
 
 if __name__ == "__main__":

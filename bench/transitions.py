@@ -36,7 +36,8 @@ from typing import Callable  # noqa: E402
 from urllib.parse import urlsplit, urlunsplit  # noqa: E402
 
 # Its own scratch database (bench/queue.py uses ``orchestrator_bench``; both may run at once).
-BENCH_DATABASE = "orchestrator_bench_transitions"
+# ``BENCH_DATABASE_PREFIX`` replaces its ``orchestrator_bench`` prefix (as in bench/_common.py).
+BENCH_DATABASE = (os.environ.get("BENCH_DATABASE_PREFIX", "").strip() or "orchestrator_bench") + "_transitions"
 
 
 def _postgres_urls(url: str) -> tuple[str, str]:
@@ -95,6 +96,7 @@ def main() -> int:
         parser.error("--runs and --baseline must be at least 1")
 
     os.environ["DJANGO_SETTINGS_MODULE"] = "orchestrator_site.settings"
+    os.environ.setdefault("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "WARNING")  # figures, not a log line per transition
     label, cleanup = prepare_environment()
     try:
         return run_benchmark(label, runs=args.runs, baseline=args.baseline)
