@@ -184,7 +184,8 @@ def seed(*, runs: int, ledger: int, out) -> dict:
     from core.models import Event, Project
     from core.services import project_create
     from jobs.models import Job
-    from runs import escalations, services
+    from runs import services
+    from runs.services import escalations
     from runs.models import SETTLED_RUN_STATES, Run, RunAttempt, Step
 
     rng = random.Random(7)
