@@ -13,7 +13,9 @@ does not depend on the number of rows shown (a page of 100 runs against a projec
 
 The database is a dedicated bench database, never the configured one: a SQLite file
 (``var/bench_admin.sqlite3`` by default, ``--db`` to choose another), or, when ``DATABASE_URL``
-names a PostgreSQL server, the database ``orchestrator_bench_admin`` on that server. It is seeded
+names a PostgreSQL server, the database ``<that URL's database>_bench_admin`` on that server
+(``orchestrator_bench_admin`` when the URL names none), so that two checkouts sharing a server
+do not seed each other's bench database. It is seeded
 once and reused while it holds at least the requested rows (``--fresh`` rebuilds it; use smaller
 ``--runs``/``--ledger`` for a quick check).
 
@@ -61,9 +63,17 @@ BATCH = 5_000
 
 # --- the bench database -------------------------------------------------------------------------
 
-def _postgres_urls(url: str) -> tuple[str, str]:
+def bench_database_name(url: str) -> str:
+    """The bench database beside the one ``url`` names: ``<name>_bench_admin``."""
+    name = urlsplit(url).path.lstrip("/")
+    if not name or name == "postgres" or name.endswith("_bench_admin"):
+        return BENCH_DATABASE
+    return f"{name}_bench_admin"
+
+
+def _postgres_urls(url: str, database: str) -> tuple[str, str]:
     parts = urlsplit(url)
-    return (urlunsplit(parts._replace(path=f"/{BENCH_DATABASE}")),
+    return (urlunsplit(parts._replace(path=f"/{database}")),
             urlunsplit(parts._replace(path="/postgres", query="")))
 
 
@@ -71,10 +81,11 @@ def prepare_environment(args) -> tuple[str, callable]:
     """Point the settings at the bench database; return its label and a function that empties it."""
     url = os.environ.get("DATABASE_URL", "").strip()
     if url.startswith(("postgres://", "postgresql://", "pgsql://")):
-        if urlsplit(url).path.lstrip("/") == BENCH_DATABASE:
-            raise SystemExit(f"DATABASE_URL names {BENCH_DATABASE}, the benchmark's own database: give the "
+        database = bench_database_name(url)
+        if urlsplit(url).path.lstrip("/") == database:
+            raise SystemExit(f"DATABASE_URL names {database}, the benchmark's own database: give the "
                              "server's usual database instead")
-        bench_url, maintenance_url = _postgres_urls(url)
+        bench_url, maintenance_url = _postgres_urls(url, database)
         os.environ["DATABASE_URL"] = bench_url
 
         def recreate() -> None:
@@ -83,16 +94,16 @@ def prepare_environment(args) -> tuple[str, callable]:
 
             connections.close_all()
             with psycopg.connect(maintenance_url, autocommit=True) as conn:
-                conn.execute(f'DROP DATABASE IF EXISTS "{BENCH_DATABASE}" WITH (FORCE)')
-                conn.execute(f'CREATE DATABASE "{BENCH_DATABASE}"')
+                conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+                conn.execute(f'CREATE DATABASE "{database}"')
 
         import psycopg
 
         with psycopg.connect(maintenance_url, autocommit=True) as conn:
-            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [BENCH_DATABASE]).fetchone()
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", [database]).fetchone()
         if not exists:
             recreate()
-        return f"PostgreSQL (database {BENCH_DATABASE})", recreate
+        return f"PostgreSQL (database {database})", recreate
     os.environ.pop("DATABASE_URL", None)
     path = Path(args.db).resolve()
     if path == Path(os.environ.get("ORCHESTRATOR_SQLITE_PATH", ROOT / "var" / "db.sqlite3")).resolve() \

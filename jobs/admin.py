@@ -13,6 +13,7 @@ from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, operator_permission, recent_filter
+from core.admin_scale import ScaledListMixin
 from jobs import runbooks
 from jobs.models import (
     WAITING_JOB_STATES,
@@ -141,7 +142,7 @@ class JobStuckFilter(admin.SimpleListFilter):
 
 
 @admin.register(Job)
-class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
+class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
     list_display = ("id", "type", "project", "live_state", "reason", "priority_class", "priority", "lane",
                     "attempts", "max_attempts", "worker", "age", "run_id", "created_at", "completed_at")
     list_filter = ("state", JobStuckFilter, "type", "priority_class", "reason", "organization",
@@ -150,7 +151,7 @@ class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
                    ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "lane", "dedupe_key", "=run_id", "worker")
-    show_full_result_count = False
+    list_defer = ("payload", "result")
     actions = ["requeue", "fail", "cancel"]
     runbooks = {"requeue": runbooks.JOB_REQUEUE, "fail": runbooks.JOB_FAIL, "cancel": runbooks.JOB_CANCEL}
 

@@ -1,0 +1,19 @@
+from django.conf import settings
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('billing', '0002_ledger_append_only_trigger'),
+        ('core', '0005_retention_schedule'),
+        ('runs', '0007_failed_attempts_index'),
+        migrations.swappable_dependency(settings.AUTH_USER_MODEL),
+    ]
+
+    operations = [
+        migrations.AddIndex(
+            model_name='ledgerentry',
+            index=models.Index(fields=['kind', 'id'], name='ledger_kind_id_idx'),
+        ),
+    ]

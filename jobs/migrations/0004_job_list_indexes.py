@@ -1,0 +1,24 @@
+from django.db import migrations, models
+
+
+class Migration(migrations.Migration):
+
+    dependencies = [
+        ('core', '0005_retention_schedule'),
+        ('jobs', '0003_execution_commands_worker_sessions'),
+    ]
+
+    operations = [
+        migrations.AddIndex(
+            model_name='job',
+            index=models.Index(fields=['state', 'id'], name='job_state_id_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='job',
+            index=models.Index(fields=['type', 'id'], name='job_type_id_idx'),
+        ),
+        migrations.AddIndex(
+            model_name='job',
+            index=models.Index(fields=['project', 'id'], name='job_project_id_idx'),
+        ),
+    ]
