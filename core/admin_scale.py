@@ -90,6 +90,7 @@ class ScaledChangeList(ChangeList):
         super().__init__(request, *args, **kwargs)
         # Filter, search and sorting links start again from the newest rows.
         self.params.pop(CURSOR_VAR, None)
+        getattr(self, "filter_params", {}).pop(CURSOR_VAR, None)
         if self.keyset_cursor is not None:
             self.keyset_newest_url = self.get_query_string(remove=[CURSOR_VAR, PAGE_VAR])
 

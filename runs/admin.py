@@ -14,9 +14,7 @@ from collections import defaultdict
 from django import forms
 from django.conf import settings
 from django.contrib import admin
-from django.db import connections
-from django.db.models import BooleanField, Q
-from django.db.models.expressions import RawSQL
+from django.db.models import Q
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 from django.utils.text import smart_split, unescape_string_literal
@@ -31,9 +29,9 @@ from core.admin_runbooks import (
     recent_filter,
     top_values_filter,
 )
-from core.models import AuditRecord, Event, Organization, Project
+from core.models import AuditRecord, Event, Project
 from diagnosis.admin import RunDiagnosisAdminMixin
-from jobs.admin import ProjectListFilter, run_waiting_jobs_html
+from jobs.admin import ProjectListFilter, projects_with_organizations, run_waiting_jobs_html
 from runs import runbooks
 from runs.admin_pipeline import AcknowledgeDriftForm, ResumeForm, RunPipelineAdminMixin
 from runs.models import (
@@ -224,30 +222,27 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunDiagnosisAdminMixin, R
     def get_search_results(self, request, queryset, search_term):
         """Each word of the term (as the stock admin search) must match: a run whose name or error
         code contains it (trigram indexes on PostgreSQL), whose id is it, or whose project's or
-        organization's name contains it. The projects are picked in their own small table (on
-        PostgreSQL as ``project_id = ANY(ARRAY(subquery))``, evaluated once and indexable), so a
-        word is one OR of indexed conditions on the runs table, not a join across it."""
+        organization's name contains it. Projects are matched in the list of projects the project
+        filter reads anyway, so a word is one OR of indexed conditions on the runs table (a
+        literal list of project ids), not a join across it."""
+        projects = None
         for bit in smart_split(search_term):
             if bit[:1] in ('"', "'") and bit[-1:] == bit[:1]:
                 bit = unescape_string_literal(bit)
             if not bit:
                 continue
-            projects = Project.objects.filter(Q(name__icontains=bit) | Q(organization__name__icontains=bit)).values("pk")
-            matches = Q(name__icontains=bit) | Q(last_error_code__icontains=bit) | self._project_in(projects)
+            if projects is None:
+                projects = projects_with_organizations(request, Project._meta.ordering)
+            folded = bit.casefold()
+            matches = Q(name__icontains=bit) | Q(last_error_code__icontains=bit)
+            matched = [project.pk for project in projects
+                       if folded in project.name.casefold() or folded in project.organization.name.casefold()]
+            if matched:
+                matches |= Q(project_id__in=matched)
             if bit.isdigit() and int(bit) < 2**63:
                 matches |= Q(pk=int(bit))
             queryset = queryset.filter(matches)
         return queryset, False
-
-    @staticmethod
-    def _project_in(projects) -> Q:
-        connection = connections[projects.db]
-        if connection.vendor != "postgresql":
-            return Q(project_id__in=projects)
-        sql, params = projects.query.sql_with_params()
-        quote = connection.ops.quote_name
-        column = f"{quote(Run._meta.db_table)}.{quote(Run._meta.get_field('project').column)}"
-        return Q(RawSQL(f"{column} = ANY(ARRAY({sql}))", params, output_field=BooleanField()))
 
     def runbook_initial(self, runbook, objects):
         if runbook.name == "approve_gate":

@@ -1,30 +1,27 @@
 from django.conf import settings
-from django.contrib.postgres.indexes import GinIndex, OpClass
 from django.contrib.postgres.operations import TrigramExtension
 from django.db import migrations, models
-from django.db.models.functions import Upper
 
-# The run list's search (``icontains``: ``UPPER(col) LIKE UPPER('%term%')`` on PostgreSQL) on the
-# name and the error code, served by trigram indexes on the same expressions. PostgreSQL only:
-# TrigramExtension does nothing on another engine, and the indexes are made by RunPython so that
-# they stay out of the model state (SQLite, which rebuilds a table with every index of its state
-# when it alters one, cannot create a GIN index).
-TRIGRAM_INDEXES = [
-    GinIndex(OpClass(Upper("name"), name="gin_trgm_ops"), name="run_name_trgm_idx"),
-    GinIndex(OpClass(Upper("last_error_code"), name="gin_trgm_ops"), name="run_error_code_trgm_idx"),
-]
+# The run list's search (``icontains``: ``UPPER(col::text) LIKE UPPER('%term%')`` on PostgreSQL) on
+# the name and the error code, served by trigram GIN indexes on the same expressions. PostgreSQL
+# only: TrigramExtension does nothing on another engine, and the indexes are made here, outside
+# the model state, because SQLite (which rebuilds a table with every index of its state when it
+# alters one) cannot create a GIN index. They are written as SQL because Django renders
+# ``GinIndex(OpClass(Upper(...)))`` as ``(UPPER(col) gin_trgm_ops)``, which PostgreSQL rejects.
+TRIGRAM_INDEXES = {"run_name_trgm_idx": "name", "run_error_code_trgm_idx": "last_error_code"}
 
 
 def trigram_indexes_add(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
-        for index in TRIGRAM_INDEXES:
-            schema_editor.add_index(apps.get_model("runs", "Run"), index)
+        for name, column in TRIGRAM_INDEXES.items():
+            schema_editor.execute(f'CREATE INDEX IF NOT EXISTS "{name}" ON "runs_run" '
+                                  f'USING gin ((UPPER("{column}"::text)) gin_trgm_ops)')
 
 
 def trigram_indexes_remove(apps, schema_editor):
     if schema_editor.connection.vendor == "postgresql":
-        for index in TRIGRAM_INDEXES:
-            schema_editor.remove_index(apps.get_model("runs", "Run"), index)
+        for name in TRIGRAM_INDEXES:
+            schema_editor.execute(f'DROP INDEX IF EXISTS "{name}"')
 
 
 class Migration(migrations.Migration):
