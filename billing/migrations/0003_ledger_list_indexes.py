@@ -6,8 +6,6 @@ class Migration(migrations.Migration):
 
     dependencies = [
         ('billing', '0002_ledger_append_only_trigger'),
-        ('core', '0005_retention_schedule'),
-        ('runs', '0007_failed_attempts_index'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
 

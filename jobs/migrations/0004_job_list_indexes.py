@@ -4,7 +4,6 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('core', '0005_retention_schedule'),
         ('jobs', '0003_execution_commands_worker_sessions'),
     ]
 

@@ -27,7 +27,6 @@ def trigram_indexes_remove(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('core', '0005_retention_schedule'),
         ('runs', '0007_failed_attempts_index'),
         migrations.swappable_dependency(settings.AUTH_USER_MODEL),
     ]
