@@ -17,11 +17,14 @@
 from __future__ import annotations
 
 from django.conf import settings
+from django.contrib.admin import helpers
 from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
 from django.utils.functional import cached_property
+from django.utils.html import format_html
+from django.utils.translation import gettext
 
 CURSOR_VAR = "cursor"
 KEYSET_ORDERINGS = (["-id"], ["-pk"], ("-id",), ("-pk",))
@@ -144,3 +147,10 @@ class ScaledListMixin:
 
     def get_changelist(self, request, **kwargs):
         return ScaledChangeList
+
+    def action_checkbox(self, obj):
+        """The stock row checkbox, written directly: rendering a form widget's template for each
+        of a hundred rows is about a third of the list's time."""
+        return format_html('<input type="checkbox" name="{}" value="{}" class="action-select" aria-label="{}">',
+                           helpers.ACTION_CHECKBOX_NAME, str(obj.pk),
+                           format_html(gettext("Select this object for an action - {}"), str(obj)))
