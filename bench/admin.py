@@ -527,7 +527,7 @@ def main() -> int:
     from django.contrib.auth import get_user_model
 
     from billing.models import LedgerEntry
-    from core.models import Project
+    from core.models import Event, Project
 
     user, _ = get_user_model().objects.get_or_create(username="bench-admin",
                                                      defaults={"is_staff": True, "is_superuser": True})
@@ -580,6 +580,32 @@ def main() -> int:
         print(f"{name:36} {result['median_ms']:10.1f} {ratio:8.1f} {verdict:>9} {result['queries']:5d} "
               f"{result['min_ms']:7.1f}..{result['max_ms']:<7.1f} {result['bytes'] / 1024:6.0f}", file=out)
     print(f"\npages over their goal: {', '.join(over) if over else 'none'}", file=out)
+
+    # The API's large collections, as a member of the first organization (a tenth of the rows),
+    # next to the trivial endpoint: the first page and a deep one (by cursor; events by after=).
+    owner = get_user_model().objects.get(username="bench-owner-0")
+    api = Client()
+    api.force_login(owner)
+    mine = Run.objects.filter(organization__memberships__user=owner).order_by("-pk").values_list("pk", flat=True)
+    deep_run = mine[len(mine) // 2] if mine else 1
+    first_event = Event.objects.filter(run_id=deep_run).values_list("pk", flat=True).first() or 0
+    api_pages = [("API ping (baseline)", "/api/v1/ping/"), ("API runs", "/api/v1/runs/"),
+                 ("API ledger", "/api/v1/ledger/"), ("API jobs", "/api/v1/jobs/"),
+                 ("API events", "/api/v1/events/?limit=50")]
+    results = [(name, measure(api, url, args.repeat)) for name, url in api_pages]
+    for name, url in [("API runs deep (cursor)", "/api/v1/runs/"), ("API ledger deep (cursor)", "/api/v1/ledger/")]:
+        page = api.get(url).json()
+        for _ in range(3):  # a page four cursors in (a cursor page reads the same rows at any depth)
+            page = api.get(page["next"]).json()
+        results.append((name, measure(api, page["next"], args.repeat)))
+    results.append(("API events deep (after=)", measure(api, f"/api/v1/events/?limit=50&after={first_event}",
+                                                        args.repeat)))
+    baseline = results[0][1]
+    print(f"\n{'API page':36} {'median ms':>10} {'x ping':>8} {'goal':>6} {'queries':>8}", file=out)
+    for name, result in results:
+        ratio = result["median_ms"] / baseline["median_ms"]
+        goal = "" if "baseline" in name else ("3x ok" if ratio <= 3 else "3x OVER")
+        print(f"{name:36} {result['median_ms']:10.1f} {ratio:8.1f} {goal:>9} {result['queries']:5d}", file=out)
 
     # Bounded queries: a page of 100 runs against a project of 10 runs, same changelist.
     full = measure(client, runs_url, 1)

@@ -7,7 +7,8 @@ Simulates ``--days`` of the demo's steady load (``demo_stream`` starts one run a
 ``--interval`` seconds, 3 by default: 28,800 runs a day) in a scratch database (PostgreSQL when
 ``DATABASE_URL`` names a server: ``<its database>_bench_retention``; else a SQLite file): settled
 runs, each with ``--jobs-per-run`` terminal jobs and ``--events-per-run`` events, their timestamps
-spread evenly over the period, made by the server (``generate_series``). It then prints the row
+spread evenly over the period in id order (older rows, lower ids, as under real load), made by
+the server (``generate_series``). It then prints the row
 count and on-disk size of the jobs and events tables before and after ``retention_prune`` (with
 ``ORCHESTRATOR_RETENTION_DAYS=--retention-days``): what is left is the retention window's share of
 the load, whatever the period simulated. The per-run figures are options because they depend on
@@ -110,18 +111,20 @@ def main() -> int:
             "plan": "'{}'::jsonb", "status": "'completed'", "credit_limit": "100", "credits_reserved": "10",
             "credits_charged": "5", "credits_refunded": "5", "created_at": "s.t", "status_changed_at": "s.t",
             "completed_at": "s.t",
-        }, "(SELECT g, %s::timestamptz - make_interval(secs => (g::bigint * %s) / %s) AS t "
-           "FROM generate_series(0, %s - 1) AS g) AS s", [], now, source_params=[now, period_s, runs, runs])
+        }, "(SELECT g, %s::timestamptz - make_interval(secs => ((%s - 1 - g)::bigint * %s) / %s) AS t "
+           "FROM generate_series(0, %s - 1) AS g) AS s", [], now, source_params=[now, runs, period_s, runs, runs])
         series_insert(Job, {
             "type": "'run_step'", "organization_id": "r.organization_id", "project_id": "r.project_id",
             "run_id": "r.id", "state": "'completed'", "reason": "'completed'", "lane": "''", "payload": "'{}'::jsonb",
             "attempts": "1", "created_at": "r.created_at", "queued_at": "r.created_at", "started_at": "r.created_at",
             "completed_at": "r.created_at",
-        }, "runs_run AS r CROSS JOIN generate_series(1, %s) AS n", [], now, source_params=[args.jobs_per_run])
+        }, "runs_run AS r CROSS JOIN generate_series(1, %s) AS n ORDER BY r.id", [], now,
+           source_params=[args.jobs_per_run])
         series_insert(Event, {
             "type": "'step_completed'", "organization_id": "r.organization_id", "project_id": "r.project_id",
             "run_id": "r.id", "payload": "'{}'::jsonb", "created_at": "r.created_at",
-        }, "runs_run AS r CROSS JOIN generate_series(1, %s) AS n", [], now, source_params=[args.events_per_run])
+        }, "runs_run AS r CROSS JOIN generate_series(1, %s) AS n ORDER BY r.id", [], now,
+           source_params=[args.events_per_run])
     with connection.cursor() as cursor:
         cursor.execute("ANALYZE")
     print(f"database: {label}; {args.days:g} days of the demo's load: {runs:,} runs (one every {args.interval:g} s), "

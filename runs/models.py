@@ -102,6 +102,9 @@ class Run(ConcurrentTransitionMixin, models.Model):
             # Live runs newest first: the "stuck" list walks only these.
             models.Index(fields=["id"], name="run_live_id_idx", condition=models.Q(
                 status__in=["pending", "running", "paused", "resuming", "retrying"])),
+            # Runs not settled (the retention prune keeps their jobs and events): a few, found by index.
+            models.Index(fields=["id"], name="run_unsettled_id_idx",
+                         condition=~models.Q(status__in=["completed", "cancelled", "failed"])),
         ]
         constraints = [
             models.CheckConstraint(condition=models.Q(credit_limit__gt=0), name="run_credit_limit_positive"),

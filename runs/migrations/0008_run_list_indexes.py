@@ -50,4 +50,8 @@ class Migration(migrations.Migration):
             model_name='run',
             index=models.Index(condition=models.Q(('status__in', ['pending', 'running', 'paused', 'resuming', 'retrying'])), fields=['id'], name='run_live_id_idx'),
         ),
+        migrations.AddIndex(
+            model_name='run',
+            index=models.Index(condition=models.Q(('status__in', ['completed', 'cancelled', 'failed']), _negated=True), fields=['id'], name='run_unsettled_id_idx'),
+        ),
     ]
