@@ -219,7 +219,7 @@ def seed_bulk_postgres(*, runs: int, ledger: int, next_id: int, small_project: i
                      ELSE ({org_array})[1 + g % {len(projects)}] END AS organization_id,
                 %s::timestamptz - make_interval(secs => (g::bigint * 104729) % (30 * 86400)) AS created,
                 1 + (g * 31) % 3600 AS lasted, (g * 131) % 100 AS charged
-         FROM generate_series(0, %s - 1) AS g) AS s"""
+         FROM generate_series(0::bigint, %s - 1) AS g) AS s"""
     settled = "s.status IN ('completed', 'failed', 'cancelled')"
     live_charge = "CASE WHEN s.status IN ('created', 'pending') THEN 0 ELSE s.charged END"
     reserved = "CASE WHEN s.status = 'created' THEN 0 ELSE 100 END"
