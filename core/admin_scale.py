@@ -30,15 +30,20 @@ CURSOR_VAR = "cursor"
 KEYSET_ORDERINGS = (["-id"], ["-pk"], ("-id",), ("-pk",))
 
 
-def table_estimate(model, using: str) -> int | None:
-    """The planner's row estimate of ``model``'s table (PostgreSQL), or None (never analyzed, SQLite)."""
-    connection = connections[using]
+def estimate_or_count(queryset, limit: int) -> tuple[int, bool] | None:
+    """On PostgreSQL, in one query: the planner's row estimate of ``queryset``'s table when it is
+    above ``limit`` (``True``: an estimate), else the number of rows counted up to ``limit`` + 1
+    (``False``); the count runs only when the estimate is small. None on another engine."""
+    connection = connections[queryset.db]
     if connection.vendor != "postgresql":
         return None
+    sql, params = queryset.order_by().values("pk")[:limit + 1].query.sql_with_params()
     with connection.cursor() as cursor:
-        cursor.execute("SELECT reltuples FROM pg_class WHERE oid = to_regclass(%s)", [model._meta.db_table])
+        cursor.execute(f"SELECT CASE WHEN reltuples > %s THEN reltuples::bigint "
+                       f"ELSE (SELECT COUNT(*) FROM ({sql}) AS bounded) END, reltuples > %s "
+                       f"FROM pg_class WHERE oid = to_regclass(%s)", [limit, *params, limit, queryset.model._meta.db_table])
         row = cursor.fetchone()
-    return int(row[0]) if row and row[0] is not None and row[0] >= 0 else None
+    return (int(row[0]), bool(row[1])) if row else None
 
 
 class ScaledPaginator(Paginator):
@@ -53,12 +58,11 @@ class ScaledPaginator(Paginator):
     def count(self):
         queryset = self.object_list
         limit = settings.ORCHESTRATOR_ADMIN_COUNT_LIMIT
-        if not queryset.query.has_filters():
-            estimate = table_estimate(queryset.model, queryset.db)
-            if estimate is not None and estimate > limit:
-                self.count_kind = "estimate"
-                return estimate
-        found = queryset.order_by().values("pk")[:limit + 1].count()
+        answer = None if queryset.query.has_filters() else estimate_or_count(queryset, limit)
+        if answer is not None and answer[1]:
+            self.count_kind = "estimate"
+            return answer[0]
+        found = answer[0] if answer is not None else queryset.order_by().values("pk")[:limit + 1].count()
         if found > limit:
             self.count_kind = "at_least"
         return found

@@ -175,10 +175,11 @@ def test_the_lists_their_filters_and_deep_pages_seek_indexes(viewer_client, proj
                 continue
             with connection.cursor() as cursor:
                 cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF) {query['sql']}")
-                plan = "\n".join(row[0] for row in cursor.fetchall())
+                # A node "never executed" (the count behind a large estimate) reads nothing.
+                plan = "\n".join(row[0] for row in cursor.fetchall() if "never executed" not in row[0])
             # A bounded count may read the table under its LIMIT (it stops after the limit's rows
             # match: the planner's pick for a common value); every other read seeks an index.
-            bounded = query["sql"].startswith("SELECT COUNT(*) FROM (SELECT") and re.search(
+            bounded = "COUNT(*) FROM (SELECT" in query["sql"] and re.search(
                 r"Limit \(.*\n\s+->  Seq Scan on", plan)
             assert bounded or not re.search(r"Seq Scan on (runs_run|jobs_job|billing_ledgerentry)\b", plan), \
                 f"{url} {params}\n{query['sql']}\n{plan}"
