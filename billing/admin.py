@@ -8,6 +8,7 @@ from django.contrib import admin
 from billing.models import CreditAccount, LedgerEntry
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import recent_filter
+from core.admin_scale import ScaledListMixin
 
 
 @admin.register(CreditAccount)
@@ -18,11 +19,11 @@ class CreditAccountAdmin(ReadOnlyAdmin):
 
 
 @admin.register(LedgerEntry)
-class LedgerEntryAdmin(ReadOnlyAdmin):
+class LedgerEntryAdmin(ScaledListMixin, ReadOnlyAdmin):
     list_display = ("id", "created_at", "organization", "run_id", "attempt_number", "kind", "source", "amount",
                     "balance_after", "reserved_after", "actor_label", "idempotency_key")
     list_filter = ("kind", "source", "organization", recent_filter("created_at", "written"),
                    ("created_at", admin.DateFieldListFilter))
     list_select_related = ("organization",)
     search_fields = ("=run__id", "idempotency_key", "organization__name", "reason", "actor_label")
-    show_full_result_count = False
+    ordering = ("-id",)  # newest first, read by keyset

@@ -129,6 +129,8 @@ class LedgerEntry(models.Model):
         indexes = [
             models.Index(fields=["run", "attempt_number", "kind"], name="ledger_run_attempt_idx"),
             models.Index(fields=["organization", "id"], name="ledger_org_id_idx"),
+            # The ledger list (newest first) filtered by kind: an index seek.
+            models.Index(fields=["kind", "id"], name="ledger_kind_id_idx"),
         ]
 
     def __str__(self) -> str:

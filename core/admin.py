@@ -4,6 +4,7 @@ events and audit records can never be deleted)."""
 from django.contrib import admin
 
 from core.admin_runbooks import recent_filter
+from core.admin_scale import ScaledListMixin
 from core.models import AuditRecord, Event, Membership, Organization, Project
 
 
@@ -60,17 +61,17 @@ class MembershipAdmin(ReadOnlyAdmin):
 
 
 @admin.register(Event)
-class EventAdmin(ReadOnlyAdmin):
+class EventAdmin(ScaledListMixin, ReadOnlyAdmin):
     list_display = ("id", "type", "organization", "project", "run_id", "created_at")
     list_filter = ("type", "organization", recent_filter("created_at", "written"),
                    ("created_at", admin.DateFieldListFilter))
     list_select_related = ("organization", "project", "project__organization")
     search_fields = ("type", "=run_id")
-    show_full_result_count = False
+    ordering = ("-id",)  # newest first, read by keyset
 
 
 @admin.register(AuditRecord)
-class AuditRecordAdmin(ReadOnlyAdmin):
+class AuditRecordAdmin(ScaledListMixin, ReadOnlyAdmin):
     list_display = ("id", "created_at", "actor_label", "action", "target_type", "target_id", "reason")
     list_filter = ("action", "target_type", "organization", recent_filter("created_at", "recorded"),
                    ("created_at", admin.DateFieldListFilter))

@@ -12,7 +12,8 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
-from core.admin_runbooks import RunbookAdminMixin, recent_filter
+from core.admin_runbooks import RunbookAdminMixin, recent_filter, top_values_filter
+from core.admin_scale import ScaledListMixin
 from jobs.models import (
     NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
@@ -27,6 +28,7 @@ from jobs.models import (
     WorkerHeartbeat,
     WorkerSession,
 )
+from core.models import Project
 from jobs.selectors import jobs_wait_explain, run_jobs_not_started
 
 RUN_WAITING_JOBS_LIMIT = 5
@@ -38,8 +40,17 @@ class ProjectListFilter(admin.RelatedFieldListFilter):
 
     def field_choices(self, field, request, model_admin):
         ordering = self.field_admin_ordering(field, request, model_admin) or field.related_model._meta.ordering
-        projects = field.related_model._default_manager.select_related("organization").order_by(*ordering)
-        return [(project.pk, str(project)) for project in projects]
+        return [(project.pk, str(project)) for project in projects_with_organizations(request, ordering)]
+
+
+def projects_with_organizations(request, ordering) -> list:
+    """Every project with its organization, read once per request (the project filter and the run
+    search both use it)."""
+    cache = request.__dict__.setdefault("_projects_with_organizations", {})
+    key = tuple(ordering)
+    if key not in cache:
+        cache[key] = list(Project.objects.select_related("organization").order_by(*ordering))
+    return cache[key]
 
 
 def _seconds(value) -> str:
@@ -138,16 +149,21 @@ class JobStuckFilter(admin.SimpleListFilter):
 
 
 @admin.register(Job)
-class JobAdmin(RunbookAdminMixin, ReadOnlyAdmin):
+class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
     list_display = ("id", "type", "project", "live_state", "reason", "priority_class", "priority", "lane",
                     "attempts", "max_attempts", "worker", "age", "run_id", "created_at", "completed_at")
-    list_filter = ("state", JobStuckFilter, "type", "priority_class", "reason", "organization",
+    # Type and reason offer the values of the latest jobs (not a DISTINCT over the whole table);
+    # their parameters are the stock filter's (type__exact=, reason__exact=), as the dashboard links.
+    list_filter = ("state", JobStuckFilter, top_values_filter("type", "type", parameter="type__exact"),
+                   "priority_class", top_values_filter("reason", "reason", parameter="reason__exact"), "organization",
                    ("project", ProjectListFilter),
                    recent_filter("created_at", "created"), recent_filter("completed_at", "finished"),
                    ("created_at", admin.DateFieldListFilter))
     list_select_related = ("project", "project__organization")
     search_fields = ("=id", "lane", "dedupe_key", "=run_id", "worker")
     show_full_result_count = False
+    list_defer = ("payload", "result")
+
     readonly_fields = ("wait_explanation",)
 
     def get_fieldsets(self, request, obj=None):

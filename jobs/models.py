@@ -135,6 +135,10 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["state", "lease_expires_at"], name="job_state_lease_idx"),
             models.Index(fields=["lane", "state"], name="job_lane_state_idx"),
             models.Index(fields=["organization", "state"], name="job_organization_state_idx"),
+            # The job list (newest first) filtered by state, type or project: an index seek.
+            models.Index(fields=["state", "id"], name="job_state_id_idx"),
+            models.Index(fields=["type", "id"], name="job_type_id_idx"),
+            models.Index(fields=["project", "id"], name="job_project_id_idx"),
         ]
         constraints = [
             models.UniqueConstraint(fields=["lane"], condition=models.Q(state="executing") & ~models.Q(lane=""),

@@ -357,6 +357,14 @@ REST_FRAMEWORK = {
     # alone controls.
     "NUM_PROXIES": env_int("ORCHESTRATOR_TRUSTED_PROXIES", 0),
 }
+# The large collections (runs, jobs, ledger) page by id cursor; their ``count`` is exact up to
+# this many matching rows and null beyond (counting further would read the whole table).
+ORCHESTRATOR_API_COUNT_LIMIT = env_int("ORCHESTRATOR_API_COUNT_LIMIT", 10_000)
+# The admin's large lists (runs, jobs, ledger, events, audit) count at most this many rows (then
+# "10,000+"; the unfiltered list shows the planner's estimate on PostgreSQL) and number at most
+# ORCHESTRATOR_ADMIN_MAX_PAGES pages; older rows are read by keyset ("older →" links).
+ORCHESTRATOR_ADMIN_COUNT_LIMIT = env_int("ORCHESTRATOR_ADMIN_COUNT_LIMIT", 10_000)
+ORCHESTRATOR_ADMIN_MAX_PAGES = env_int("ORCHESTRATOR_ADMIN_MAX_PAGES", 100)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Orchestrator Console API",
     "DESCRIPTION": "Runs, jobs, credits and events of the run orchestrator. Errors are "

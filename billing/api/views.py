@@ -11,6 +11,7 @@ from billing.api.serializers import BalanceSerializer, LedgerEntrySerializer
 from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.api.base import ApiView, ApiViewSet
+from core.api.pagination import KeysetPagination
 from core.api.schema import errors
 from core.api.tenancy import VisibleIdFilter, visible_get, visible_organizations
 
@@ -47,6 +48,7 @@ class LedgerFilter(filters.FilterSet):
 )
 class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = LedgerEntry.objects.order_by("-id")
+    pagination_class = KeysetPagination
     serializer_class = LedgerEntrySerializer
     filterset_class = LedgerFilter
     entity = "ledger entry"

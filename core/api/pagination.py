@@ -1,8 +1,20 @@
-"""Pagination: pages for lists, an id cursor for events."""
+"""Pagination: pages for small lists, an id cursor for the large collections and for events.
+
+* ``PagePagination`` — ``?page=N&page_size=M``: ``{"count", "next", "previous", "results"}``
+  with an exact count. For lists that stay small (organizations, projects, escalations).
+* ``KeysetPagination`` — the large collections (runs, jobs, ledger entries): newest first, a
+  page is read by seeking past the previous page's last id (``?cursor=``, opaque), so a deep page
+  costs what the first one does and no request counts the whole table. ``count`` is exact up to
+  ``ORCHESTRATOR_API_COUNT_LIMIT`` matching rows and ``null`` beyond. A request that names
+  ``?page=`` still gets the page-number answer (exact count, ``?page=N`` links) for clients
+  written against it; that form costs a full count and an OFFSET and is kept for compatibility.
+"""
 
 from __future__ import annotations
 
-from rest_framework.pagination import PageNumberPagination
+from django.conf import settings
+from rest_framework.pagination import CursorPagination, PageNumberPagination
+from rest_framework.response import Response
 
 
 class PagePagination(PageNumberPagination):
@@ -11,3 +23,49 @@ class PagePagination(PageNumberPagination):
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 200
+
+
+def bounded_count(queryset, limit: int) -> int | None:
+    """The number of rows of ``queryset`` if at most ``limit``, else ``None``; reads at most
+    ``limit + 1`` rows (``SELECT count(*) FROM (SELECT ... LIMIT limit + 1)``)."""
+    found = queryset.order_by().values("pk")[:limit + 1].count()
+    return found if found <= limit else None
+
+
+class KeysetPagination(CursorPagination):
+    """Newest first by id, ``?cursor=`` to read on (``next``/``previous`` carry it), ``?page_size=``
+    (at most 200); ``?page=N`` answers as ``PagePagination`` does. See the module docstring."""
+
+    ordering = "-id"
+    page_size = 50
+    page_size_query_param = "page_size"
+    max_page_size = 200
+    page_query_param = "page"
+
+    def paginate_queryset(self, queryset, request, view=None):
+        self.legacy = None
+        if self.page_query_param in request.query_params:
+            self.legacy = PagePagination()
+            return self.legacy.paginate_queryset(queryset, request, view)
+        self.count = bounded_count(queryset, settings.ORCHESTRATOR_API_COUNT_LIMIT)
+        return super().paginate_queryset(queryset, request, view)
+
+    def get_paginated_response(self, data):
+        if self.legacy is not None:
+            return self.legacy.get_paginated_response(data)
+        return Response({"count": self.count, "next": self.get_next_link(), "previous": self.get_previous_link(),
+                         "results": data})
+
+    def get_paginated_response_schema(self, schema):
+        described = super().get_paginated_response_schema(schema)
+        described["properties"] = {
+            "count": {"type": "integer", "nullable": True,
+                      "description": "matching rows, exact up to ORCHESTRATOR_API_COUNT_LIMIT; null beyond"},
+            **described["properties"]}
+        return described
+
+    def get_schema_operation_parameters(self, view):
+        return [*super().get_schema_operation_parameters(view), {
+            "name": self.page_query_param, "required": False, "in": "query",
+            "description": "page number (the older page-number form: exact count, OFFSET)",
+            "schema": {"type": "integer"}}]

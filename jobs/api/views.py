@@ -19,6 +19,7 @@ from rest_framework.permissions import AllowAny
 from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
+from core.api.pagination import KeysetPagination
 from core.api.schema import errors
 from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
@@ -120,6 +121,7 @@ class JobFilter(filters.FilterSet):
 )
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Job.objects.order_by("-id")
+    pagination_class = KeysetPagination
     serializer_class = JobSerializer
     filterset_class = JobFilter
     entity = "job"

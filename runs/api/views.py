@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_of_every_organization, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
+from core.api.pagination import KeysetPagination
 from core.api.schema import ERROR_CODES, errors
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
@@ -101,6 +102,7 @@ class RunEventQuerySerializer(serializers.Serializer):
 )
 class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Run.objects.alive().order_by("-id")
+    pagination_class = KeysetPagination
     serializer_class = RunSerializer
     filterset_class = RunFilter
     entity = "run"

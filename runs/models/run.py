@@ -90,6 +90,16 @@ class Run(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["status", "status_changed_at"], name="run_status_changed_idx"),
             models.Index(fields=["project", "status"], name="run_project_status_idx"),
             models.Index(fields=["organization", "-id"], name="run_org_idx"),
+            # The run list (newest first) filtered by status, project or error code: an index seek.
+            models.Index(fields=["status", "id"], name="run_status_id_idx"),
+            models.Index(fields=["project", "id"], name="run_project_id_idx"),
+            models.Index(fields=["last_error_code", "id"], name="run_error_code_id_idx"),
+            # Live runs newest first: the "stuck" list walks only these.
+            models.Index(fields=["id"], name="run_live_id_idx", condition=models.Q(
+                status__in=["pending", "running", "paused", "resuming", "retrying"])),
+            # Runs not settled (the retention prune keeps their jobs and events): a few, found by index.
+            models.Index(fields=["id"], name="run_unsettled_id_idx",
+                         condition=~models.Q(status__in=["completed", "cancelled", "failed"])),
         ]
         constraints = [
             models.CheckConstraint(condition=models.Q(credit_limit__gt=0), name="run_credit_limit_positive"),

@@ -10,7 +10,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('billing', '0005_ledger_truncate_and_sqlite_triggers'),
+        ('billing', '0006_ledger_list_indexes'),
     ]
 
     operations = [

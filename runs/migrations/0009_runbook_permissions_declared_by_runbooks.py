@@ -10,7 +10,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('runs', '0007_failed_attempts_index'),
+        ('runs', '0008_run_list_indexes'),
     ]
 
     operations = [

@@ -10,7 +10,7 @@ from django.db import migrations
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('jobs', '0006_job_traceparent'),
+        ('jobs', '0007_job_list_indexes'),
     ]
 
     operations = [
