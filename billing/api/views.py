@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins
 from rest_framework.response import Response
 
@@ -12,7 +12,7 @@ from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.api.base import ApiView, ApiViewSet
 from core.api.pagination import KeysetPagination
-from core.api.schema import errors
+from core.api.schema import errors, list_retrieve_schema
 from core.api.tenancy import VisibleIdFilter, visible_get, visible_organizations
 
 
@@ -37,14 +37,13 @@ class LedgerFilter(filters.FilterSet):
         fields = ["organization", "run", "kind"]
 
 
-@extend_schema_view(
-    list=extend_schema(description=("The append-only credit ledger of the caller's organizations, newest first; "
-                                    "filter by `run` and `kind` (topup, reserve, charge, refund)."),
-                       summary="Ledger entries of the caller's organizations (by run, kind)",
-                       responses={200: LedgerEntrySerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One ledger entry: kind, amount, the balance after it, its run and its "
-                                        "hash-chain link."),
-                           summary="A ledger entry", responses={200: LedgerEntrySerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    LedgerEntrySerializer,
+    list_summary="Ledger entries of the caller's organizations (by run, kind)",
+    list_description=("The append-only credit ledger of the caller's organizations, newest first; filter by `run` "
+                      "and `kind` (topup, reserve, charge, refund)."),
+    retrieve_summary="A ledger entry",
+    retrieve_description="One ledger entry: kind, amount, the balance after it, its run and its hash-chain link.",
 )
 class LedgerViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = LedgerEntry.objects.order_by("-id")

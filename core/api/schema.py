@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from drf_spectacular import openapi
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
 from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 
@@ -101,3 +101,18 @@ class AutoSchema(openapi.AutoSchema):
             new = [part for part in response.description.split(" | ") if part not in description]
             bodies[code]["description"] = " | ".join(filter(None, [description, *new]))
         return dict(sorted(bodies.items()))
+
+
+def list_retrieve_schema(serializer, *, list_summary: str, list_description: str, retrieve_summary: str,
+                         retrieve_description: str, item_serializer=None, filtered: bool = True, **actions):
+    """``extend_schema_view`` of a viewset that lists ``serializer`` rows (with filters: a bad filter
+    is ``validation_error``, an object the caller may not see ``not_found``) and retrieves one
+    (``not_found``); ``actions`` describe its other actions."""
+    list_errors = ("validation_error", "not_found") if filtered else ("not_found",)
+    return extend_schema_view(
+        list=extend_schema(description=list_description, summary=list_summary,
+                           responses={200: serializer(many=True), **errors(*list_errors)}),
+        retrieve=extend_schema(description=retrieve_description, summary=retrieve_summary,
+                               responses={200: item_serializer or serializer, **errors("not_found")}),
+        **actions,
+    )

@@ -6,24 +6,24 @@ from django.http import JsonResponse
 from django.urls import Resolver404, resolve
 from django.views.decorators.csrf import csrf_exempt
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins
 from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
-from core.api.schema import errors
+from core.api.schema import list_retrieve_schema
 from core.api.serializers import OrganizationSerializer, PingSerializer, ProjectSerializer
 from core.api.tenancy import VisibleIdFilter, visible_organizations
 from core.models import Organization, Project
 
 
-@extend_schema_view(
-    list=extend_schema(description=("The organizations the authenticated user is a member of."),
-                       summary="The caller's organizations", responses={200: OrganizationSerializer(many=True),
-                                                                        **errors("not_found")}),
-    retrieve=extend_schema(description=("One of the caller's organizations; any other id answers 404."),
-                           summary="An organization", responses={200: OrganizationSerializer,
-                                                                 **errors("not_found")}),
+@list_retrieve_schema(
+    OrganizationSerializer,
+    list_summary="The caller's organizations",
+    list_description="The organizations the authenticated user is a member of.",
+    retrieve_summary="An organization",
+    retrieve_description="One of the caller's organizations; any other id answers 404.",
+    filtered=False,
 )
 class OrganizationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Organization.objects.order_by("id")
@@ -41,13 +41,12 @@ class ProjectFilter(filters.FilterSet):
         fields = ["organization"]
 
 
-@extend_schema_view(
-    list=extend_schema(description=("Projects of the organizations the caller is a member of; filter by "
-                                    "`organization`."),
-                       summary="Projects of the caller's organizations",
-                       responses={200: ProjectSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One project of the caller's organizations, with its retention."),
-                           summary="A project", responses={200: ProjectSerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    ProjectSerializer,
+    list_summary="Projects of the caller's organizations",
+    list_description="Projects of the organizations the caller is a member of; filter by `organization`.",
+    retrieve_summary="A project",
+    retrieve_description="One project of the caller's organizations, with its retention.",
 )
 class ProjectViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Project.objects.order_by("id")

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.authentication import SessionAuthentication
 from rest_framework.decorators import action
@@ -20,7 +20,7 @@ from rest_framework.response import Response
 
 from core.api.base import ApiView, ApiViewSet
 from core.api.pagination import KeysetPagination
-from core.api.schema import errors
+from core.api.schema import errors, list_retrieve_schema
 from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
 from core.errors import NotFound, PermissionRefused, ValidationFailed
@@ -111,13 +111,12 @@ class JobFilter(filters.FilterSet):
         fields = ["project", "state", "type"]
 
 
-@extend_schema_view(
-    list=extend_schema(description=("Jobs of the caller's organizations, newest first; filter by `project`, `state` "
-                                    "and `type`."),
-                       summary="Jobs of the caller's organizations (by project, state, type)",
-                       responses={200: JobSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One job: its type, state, reason, attempts, timings, result or error."),
-                           summary="A job", responses={200: JobSerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    JobSerializer,
+    list_summary="Jobs of the caller's organizations (by project, state, type)",
+    list_description="Jobs of the caller's organizations, newest first; filter by `project`, `state` and `type`.",
+    retrieve_summary="A job",
+    retrieve_description="One job: its type, state, reason, attempts, timings, result or error.",
 )
 class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = Job.objects.order_by("-id")

@@ -12,12 +12,12 @@ import json
 from django.http import FileResponse
 from django_filters import rest_framework as filters
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
+from drf_spectacular.utils import OpenApiResponse, extend_schema
 from rest_framework import mixins, renderers, serializers
 from rest_framework.decorators import action
 
 from core.api.base import ApiViewSet
-from core.api.schema import errors
+from core.api.schema import errors, list_retrieve_schema
 from core.api.tenancy import VisibleIdFilter, visible
 from runs.artifacts import artifact_open
 from runs.models import Artifact, Run
@@ -58,14 +58,13 @@ class ArtifactFilter(filters.FilterSet):
     run = VisibleIdFilter(field_name="run_id", entity="run", queryset=_visible_runs)
 
 
-@extend_schema_view(
-    list=extend_schema(description=("Artifacts (files a run's steps wrote) of runs in the caller's organizations, "
-                                    "newest first; filter by `run`. Expired artifacts are listed with their expiry "
-                                    "but their files are gone."),
-                       summary="Artifacts of the caller's runs (by run)",
-                       responses={200: ArtifactSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One artifact's metadata: its run, name, size, digest and expiry."),
-                           summary="An artifact", responses={200: ArtifactSerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    ArtifactSerializer,
+    list_summary="Artifacts of the caller's runs (by run)",
+    list_description=("Artifacts (files a run's steps wrote) of runs in the caller's organizations, newest first; "
+                      "filter by `run`. Expired artifacts are listed with their expiry but their files are gone."),
+    retrieve_summary="An artifact",
+    retrieve_description="One artifact's metadata: its run, name, size, digest and expiry.",
 )
 class ArtifactViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     serializer_class = ArtifactSerializer

@@ -7,7 +7,7 @@ the service, serialize. Domain errors become responses in ``core.api.exceptions`
 from __future__ import annotations
 
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema, extend_schema_view
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status
 from rest_framework.decorators import action
 from rest_framework.exceptions import ValidationError
@@ -17,7 +17,7 @@ from core.api.base import ApiView, ApiViewSet
 from core.api.events import event_page, events_of_every_organization, events_visible
 from core.api.filters import UtcIsoDateTimeFilter
 from core.api.pagination import KeysetPagination
-from core.api.schema import ERROR_CODES, errors
+from core.api.schema import ERROR_CODES, errors, list_retrieve_schema
 from core.api.serializers import EventPageSerializer, EventQuerySerializer
 from core.api.tenancy import (
     MAX_ID,
@@ -86,15 +86,15 @@ class RunEventQuerySerializer(serializers.Serializer):
     limit = serializers.IntegerField(min_value=1, max_value=500, default=100)
 
 
-@extend_schema_view(
-    list=extend_schema(description=("Runs of the caller's organizations, newest first; filter by `project`, `status` "
-                                    "and creation time."),
-                       summary="Runs of the caller's organizations",
-                       responses={200: RunSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One run: its status and reason, attempt, reserved, charged and refunded "
-                                        "credits, counts of agents, tasks and steps by status, and its last error."),
-                           summary="A run: status, attempt, credits, counts, last error",
-                           responses={200: RunDetailSerializer, **errors("not_found")}),
+@list_retrieve_schema(
+    RunSerializer,
+    list_summary="Runs of the caller's organizations",
+    list_description=("Runs of the caller's organizations, newest first; filter by `project`, `status` and creation "
+                      "time."),
+    retrieve_summary="A run: status, attempt, credits, counts, last error",
+    retrieve_description=("One run: its status and reason, attempt, reserved, charged and refunded credits, counts of "
+                          "agents, tasks and steps by status, and its last error."),
+    item_serializer=RunDetailSerializer,
     destroy=extend_schema(description=("Deletes a run still in `created` (nothing was reserved or executed); any "
                                        "other status answers 409 `invalid_transition`."),
                           summary="Delete a run that was never started",
@@ -292,15 +292,14 @@ class EscalationFilter(filters.FilterSet):
         fields = ["status", "run"]
 
 
-@extend_schema_view(
-    list=extend_schema(description=("Escalation tickets (runs handed to a human) of the caller's organizations; "
-                                    "filter by `status`, `run`."),
-                       summary="Escalation tickets of the caller's organizations",
-                       responses={200: EscalationSerializer(many=True), **errors("validation_error", "not_found")}),
-    retrieve=extend_schema(description=("One escalation ticket: its run, trigger, severity, detail and who "
-                                        "acknowledged or resolved it."),
-                           summary="An escalation ticket", responses={200: EscalationSerializer,
-                                                                      **errors("not_found")}),
+@list_retrieve_schema(
+    EscalationSerializer,
+    list_summary="Escalation tickets of the caller's organizations",
+    list_description=("Escalation tickets (runs handed to a human) of the caller's organizations; filter by "
+                      "`status`, `run`."),
+    retrieve_summary="An escalation ticket",
+    retrieve_description=("One escalation ticket: its run, trigger, severity, detail and who acknowledged or resolved "
+                          "it."),
 )
 class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     queryset = EscalationTicket.objects.select_related("acknowledged_by", "resolved_by").order_by("-id")
