@@ -58,6 +58,8 @@ class KeysetPagination(CursorPagination):
 
     def get_paginated_response_schema(self, schema):
         described = super().get_paginated_response_schema(schema)
+        for link in ("next", "previous"):  # DRF's own examples end in a stray quote (not a URI)
+            described["properties"][link]["example"] = "https://console.example.org/api/v1/runs/?cursor=cD00ODY%3D"
         described["properties"] = {
             "count": {"type": "integer", "nullable": True,
                       "description": "matching rows, exact up to ORCHESTRATOR_API_COUNT_LIMIT; null beyond"},
