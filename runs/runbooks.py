@@ -382,19 +382,30 @@ RUN_REFUND = RunRunbook(
 # --- escalate -----------------------------------------------------------------------------
 
 def _escalate_plan(run: Run, options: dict) -> Plan:
-    ticket = run_open_escalation(run=run, trigger=EscalationTicket.Trigger.MANUAL)
-    skip = f"already escalated (ticket {ticket.pk}, {ticket.status})" if ticket else ""
-    return Plan(current=run.status, change=f"opens a manual escalation ticket (run stays {run.status})",
-                credits=_held(run), skip=skip)
+    ticket = run_open_escalation(run=run)
+    change = (f"adds a manual trigger to escalation ticket {ticket.pk} ({ticket.status})" if ticket else
+              "opens a manual escalation ticket")
+    return Plan(current=run.status, change=f"{change} (run stays {run.status})", credits=_held(run),
+                skip=_escalated_manually(ticket))
+
+
+def _escalated_manually(ticket: EscalationTicket | None) -> str:
+    """A run's open incident already escalated by an operator: a repeated escalation is a no-op."""
+    if ticket is None or not any(entry.get("trigger") == EscalationTicket.Trigger.MANUAL for entry in ticket.triggers):
+        return ""
+    return f"already escalated (ticket {ticket.pk}, {ticket.status})"
 
 
 def _escalate(run: Run, *, actor, reason: str, options: dict) -> str:
+    skip = _escalated_manually(run_open_escalation(run=run))
+    if skip:
+        raise Skip(skip)
     with transaction.atomic():
         ticket, created = escalations.escalation_open(run=run, trigger=EscalationTicket.Trigger.MANUAL,
                                                       detail=reason, actor=actor, reason=reason,
                                                       severity=options.get("severity") or "high")
     if not created:
-        raise Skip(f"already escalated (ticket {ticket.pk}, {ticket.status})")
+        return f"added a manual trigger to escalation ticket {ticket.pk} ({ticket.status})"
     return f"opened escalation ticket {ticket.pk}"
 
 
@@ -411,7 +422,7 @@ RUN_ESCALATE = RunRunbook(
     arguments=lambda parser: parser.add_argument("--severity", choices=list(SEVERITIES), default="high"),
     command_options=lambda options: {"severity": options["severity"]},
     description="Open a manual escalation ticket for runs (the reason is the ticket's detail); one open ticket per "
-                "run.")
+                "run: a run already escalated gets the manual trigger added to its open ticket.")
 
 
 # --- approve a gate -----------------------------------------------------------------------

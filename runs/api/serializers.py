@@ -266,12 +266,14 @@ class EscalationSerializer(serializers.ModelSerializer):
     username or ``operator`` (``core.api.actors``)."""
 
     status = serializers.ChoiceField(choices=EscalationTicket.Status.choices, read_only=True)
+    triggers = serializers.ListField(child=serializers.DictField(), read_only=True,
+                                     help_text="every trigger the incident gathered: trigger, at (ISO time), detail")
     acknowledged_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     resolved_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
         model = EscalationTicket
-        fields = ["id", "organization", "run", "status", "trigger", "severity", "detail", "created_at",
+        fields = ["id", "organization", "run", "status", "trigger", "triggers", "severity", "detail", "created_at",
                   "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution"]
         read_only_fields = fields
 

@@ -122,9 +122,33 @@ def test_repeated_errors_open_an_escalation(project):
         {"name": f"t{n}", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 9}}]}
         for n in range(3)]}]}
     run = finish(start(project, plan, failure_mode="continue"))
-    triggers = set(EscalationTicket.objects.filter(run=run).values_list("trigger", flat=True))
-    assert {"error_burst", "error_rate", "retries_exhausted"} <= triggers
-    assert Event.objects.filter(run_id=run.pk, type="escalation_open").exists()
+    ticket = EscalationTicket.objects.get(run=run)  # one incident, every trigger on it
+    triggers = [entry["trigger"] for entry in ticket.triggers]
+    assert {"error_burst", "error_rate", "retries_exhausted"} <= set(triggers)
+    assert len(triggers) == len(set(triggers))  # a trigger that fires again on every failed try is listed once
+    assert all(entry["at"] and entry["detail"] for entry in ticket.triggers)
+    assert Event.objects.filter(run_id=run.pk, type="escalation_open").count() == 1
+    updated = Event.objects.filter(run_id=run.pk, type="escalation_updated")
+    assert sorted(event.payload["trigger"] for event in updated) == sorted(triggers[1:])
+
+
+def test_a_run_that_fails_for_good_has_one_ticket_with_several_triggers(project, operator):
+    plan = {"agents": [{"name": "a", "tasks": [
+        {"name": "t", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 9}}]}]}]}
+    run = finish(start(project, plan))
+    assert run.status == Run.Status.FAILED
+    ticket = EscalationTicket.objects.get(run=run)
+    assert len({entry["trigger"] for entry in ticket.triggers}) >= 2, ticket.triggers
+    # an operator's escalation of the same run goes onto the same incident
+    added, created = services.escalation_open(run=run, trigger="manual", detail="customer called", actor=operator,
+                                              reason="customer called")
+    assert (added.pk, created) == (ticket.pk, False)
+    assert added.triggers[-1]["trigger"] == "manual" and added.triggers[-1]["detail"] == "customer called"
+    assert EscalationTicket.objects.filter(run=run).count() == 1
+    # once resolved, the next trigger opens a new incident
+    services.escalation_resolve(ticket_id=ticket.pk, actor=operator, reason="fixed upstream")
+    reopened, created = services.escalation_open(run=run, trigger="manual", detail="again", actor=operator)
+    assert created and reopened.pk != ticket.pk and [e["trigger"] for e in reopened.triggers] == ["manual"]
 
 
 def test_a_mostly_failed_run_is_replanned(project):
