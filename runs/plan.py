@@ -335,15 +335,19 @@ def plan_validate(plan: Any) -> dict:
     return plan
 
 
-def plan_cost_estimate(plan: dict, *, tries_per_step: int = 3) -> int:
+def plan_cost_estimate(plan: dict, *, tries_per_step: int = 3, level_retries: int = 0) -> int:
     """Credits a plan may consume if every step uses all its tries (the default credit limit);
-    with ``tries_per_step=1``, what one try of each step costs (the least credit limit)."""
+    with ``tries_per_step=1``, what one try of each step costs (the least credit limit). With
+    ``level_retries``, a task or agent whose failure mode is ``retry`` may run its steps that many
+    times more (the worst case of a re-plan, whose tasks retry)."""
     total = 0
     for agent in plan.get("agents", []):
+        agent_runs = 1 + (level_retries if agent.get("failure_mode") == FailureMode.RETRY else 0)
         for task in agent.get("tasks", []):
+            task_runs = agent_runs * (1 + (level_retries if task.get("failure_mode") == FailureMode.RETRY else 0))
             for step in task.get("steps", []):
                 kind = step.get("kind", "tool")
                 if kind == "tool":
                     tool = tool_get(step["tool"])
-                    total += tool.cost * tries_per_step if tool else 0
+                    total += tool.cost * tries_per_step * task_runs if tool else 0
     return max(total, 1)
