@@ -43,6 +43,7 @@ def _unresolved(run: Run) -> EscalationTicket | None:
     return EscalationTicket.objects.filter(run=run, status__in=OPEN_ESCALATION_STATES).first()
 
 
+@transaction.atomic
 def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: str = "",
                     severity: str = "high") -> tuple[EscalationTicket, bool]:
     """Open the run's ticket for ``trigger``; while the run already has an open or acknowledged
@@ -69,6 +70,7 @@ def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: 
     return ticket, existing is None
 
 
+@transaction.atomic
 def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str | None = None) -> EscalationTicket:
     """A trigger fired while the ticket is still unresolved: the ticket gains an entry in ``triggers``
     and a line in its detail (and an ``escalation_updated`` event) instead of a second ticket, so
