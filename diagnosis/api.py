@@ -20,6 +20,7 @@ from rest_framework.response import Response
 from core.api.actors import ActorNames
 from core.api.base import ID_PATTERN, ApiView
 from core.api.schema import errors
+from core.api.serializers import StrictSerializer
 from core.api.tenancy import visible_get
 from diagnosis.models import Explanation, Suggestion
 from diagnosis.services import explanation_as_dict, suggestion_as_dict, suggestion_request, suggestion_response
@@ -125,6 +126,7 @@ class RunSuggestView(ApiView):
         responses={200: SuggestResponseSerializer, 202: SuggestResponseSerializer,
                    **errors("not_found", "queue_full", "queue_disabled")})
     def post(self, request, run_id):
+        StrictSerializer(data=request.data or {}).is_valid(raise_exception=True)  # it takes no body fields
         query = SuggestQuerySerializer(data=request.query_params)
         query.is_valid(raise_exception=True)
         run = _visible_run(request, run_id)

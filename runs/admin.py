@@ -347,9 +347,19 @@ class EscalationTicketAdmin(RunbookAdminMixin, ReadOnlyAdmin):
     list_select_related = ("run", "organization", "acknowledged_by")
     search_fields = ("=id", "=run__id", "run__name", "detail", "resolution")
     show_full_result_count = False
-    readonly_fields = ("run", "organization", "status", "trigger", "severity", "detail", "created_at",
-                       "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution")
+    readonly_fields = ("run", "organization", "status", "trigger", "severity", "triggers_gathered", "detail",
+                       "created_at", "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution")
     fields = readonly_fields
+
+    @admin.display(description="triggers")
+    def triggers_gathered(self, obj: EscalationTicket):
+        """Every trigger the incident gathered while it was open, oldest first."""
+        rows = format_html_join("", "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
+                                ((entry.get("at", ""), entry.get("trigger", ""), entry.get("detail", ""))
+                                 for entry in obj.triggers))
+        return format_html('<table class="escalation-triggers"><thead><tr><th>at</th><th>trigger</th>'
+                           '<th>detail</th></tr></thead><tbody>{}</tbody></table>', rows)
+
     def get_queryset(self, request):
         return super().get_queryset(request).select_related("run", "organization", "acknowledged_by",
                                                             "resolved_by")

@@ -11,6 +11,12 @@ class RunNotStuck(InvalidTransition):
     code = "run_not_stuck"
 
 
+class PlanIsContract(Conflict):
+    """A gated run's plan (its phases, checks, gates and keys) is its contract: it cannot be edited."""
+
+    code = "plan_is_contract"
+
+
 class ApprovalReused(Conflict):
     code = "approval_reused"
 

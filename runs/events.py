@@ -142,7 +142,9 @@ EVENT_MESSAGES = [
                  properties={"reason": STRING}, required=("reason",)),
     EventMessage(types=("run_replanned",), summary="Failed agents were replaced by the planner's new agents",
                  properties={"replan_count": INTEGER, "failed_agents": {"type": "array", "items": STRING},
-                             "new_agents": {"type": "array", "items": STRING}},
+                             "new_agents": {"type": "array", "items": STRING},
+                             "credits_reserved": {**INTEGER, "description": "the new work's worst-case cost, held "
+                                                                            "for the attempt"}},
                  required=("replan_count", "failed_agents", "new_agents")),
     EventMessage(types=("run_refunded",), summary="Charged credits were given back to the organization",
                  properties={"amount": INTEGER, "reason": STRING}, required=("amount", "reason")),

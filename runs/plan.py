@@ -31,7 +31,7 @@ MAX_NAME_LENGTH = 200
 MAX_CAP_MINUTES = 7 * 24 * 60
 PIPELINE_KEY_MAX_LENGTH = 250
 
-__all__ = ["CHECKS", "plan_validate", "plan_cost_estimate", "plan_is_gated", "plan_task_spec", "plan_step_spec"]
+__all__ = ["CHECKS", "plan_validate", "plan_cost_estimate", "plan_diff", "plan_is_gated", "plan_task_spec", "plan_step_spec"]
 
 
 def plan_is_gated(plan: Any) -> bool:
@@ -329,15 +329,42 @@ def plan_validate(plan: Any) -> dict:
     return plan
 
 
-def plan_cost_estimate(plan: dict, *, tries_per_step: int = 3) -> int:
+def plan_cost_estimate(plan: dict, *, tries_per_step: int = 3, level_retries: int = 0) -> int:
     """Credits a plan may consume if every step uses all its tries (the default credit limit);
-    with ``tries_per_step=1``, what one try of each step costs (the least credit limit)."""
+    with ``tries_per_step=1``, what one try of each step costs (the least credit limit). With
+    ``level_retries``, a task or agent whose failure mode is ``retry`` may run its steps that many
+    times more (the worst case of a re-plan, whose tasks retry)."""
     total = 0
     for agent in plan.get("agents", []):
+        agent_runs = 1 + (level_retries if agent.get("failure_mode") == FailureMode.RETRY else 0)
         for task in agent.get("tasks", []):
+            task_runs = agent_runs * (1 + (level_retries if task.get("failure_mode") == FailureMode.RETRY else 0))
             for step in task.get("steps", []):
                 kind = step.get("kind", "tool")
                 if kind == "tool":
                     tool = tool_get(step["tool"])
-                    total += tool.cost * tries_per_step if tool else 0
+                    total += tool.cost * tries_per_step * task_runs if tool else 0
     return max(total, 1)
+
+
+def plan_diff(before: Any, after: Any, path: str = "") -> list[str]:
+    """The paths where two plans differ, each with its old and new value (``agents[0].tasks[0]
+    .steps[1].args.mode: 'fatal' → 'retryable'``): a compact record of an edit."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        changes = []
+        for key in [*before, *(k for k in after if k not in before)]:
+            changes += plan_diff(before.get(key, _MISSING), after.get(key, _MISSING), f"{path}.{key}" if path else key)
+        return changes
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [change for n, (old, new) in enumerate(zip(before, after)) for change in plan_diff(old, new, f"{path}[{n}]")]
+    if before == after:
+        return []
+    return [f"{path or '(plan)'}: {_shown(before)} → {_shown(after)}"]
+
+
+_MISSING = object()
+
+
+def _shown(value: Any) -> str:
+    text = "(none)" if value is _MISSING else repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."

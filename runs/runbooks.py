@@ -9,8 +9,10 @@ admin action, button and form, the permission, and the management command with i
 
 from __future__ import annotations
 
+import json
 import uuid
 from functools import partial
+from pathlib import Path
 
 from django import forms
 from django.conf import settings
@@ -21,6 +23,7 @@ from django_fsm import can_proceed
 
 from billing.models import CreditAccount
 from billing.selectors import account_balance
+from core.errors import ValidationFailed
 from core.management.base import duration_s, whole_number
 from core.runbooks import Plan, Runbook, RunbookForm, Skip, by_id, runbook_register, transition
 from core.services import actor_label
@@ -33,6 +36,7 @@ from runs.models import (
     Run,
 )
 from runs.pipeline import bookkeeping
+from runs.plan import plan_validate
 from runs.selectors import run_held_credits, run_open_escalation, runs_heartbeat_stale
 from runs.services import escalations
 from runs.substates import StatusReason, SubState
@@ -303,19 +307,59 @@ def _retry_plan(run: Run, options: dict) -> Plan:
         refusal = f"attempts exhausted ({run.attempt_number} of {run.max_attempts})"
     if not refusal and available < run.credit_limit:
         refusal = f"only {available} credits available"
+    if not refusal and options.get("plan") is not None and run.gated:
+        refusal = "a gated run's plan is its contract: it cannot be edited"
     return Plan(current=run.status,
                 change=f"{run.status} → retrying (attempt {run.attempt_number + 1} of {run.max_attempts})",
                 credits=f"reserves {run.credit_limit} credits for the new attempt ({available} available)",
                 skip=skip, refusal=refusal)
 
 
+def _edited_plan(text: str) -> dict | None:
+    """An edited plan as JSON text, validated like a new run's (``ValueError`` says what is wrong)."""
+    if not (text or "").strip():
+        return None
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"the plan is not valid JSON: {exc}") from exc
+    try:
+        return plan_validate(plan)
+    except ValidationFailed as exc:
+        raise ValueError("; ".join(f"{path}: {', '.join(map(str, msgs))}" for path, msgs in exc.errors.items()))
+
+
+class RetryForm(RunbookForm):
+    plan = forms.CharField(widget=forms.Textarea(attrs={"rows": 12, "cols": 80}), required=False,
+                           help_text="optional: an edited plan (JSON) for the new attempt; not for gated runs")
+
+    def clean_plan(self):
+        try:
+            return _edited_plan(self.cleaned_data.get("plan") or "")
+        except ValueError as exc:
+            raise forms.ValidationError(str(exc)) from exc
+
+
+def _retry_options(options: dict) -> dict:
+    if not options["plan_file"]:
+        return {"plan": None}
+    try:
+        return {"plan": _edited_plan(Path(options["plan_file"]).read_text())}
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CommandError(f"--plan-file {options['plan_file']}: {exc}") from exc
+
+
 RUN_RETRY = RunRunbook(
     name="retry", title="Retry", permission="runs.retry_run", permission_label="Can retry a run",
     plan=_retry_plan, perform=transition(
-        _by_run_id(services.run_retry),
+        lambda run, *, actor, reason, options: services.run_retry(run_id=run.pk, actor=actor, reason=reason,
+                                                                  plan=options.get("plan")),
         then=lambda before, run: f"; attempt {run.attempt_number} reserved {run.credit_limit} credits"),
-    command="retry_run",
-    description="Retry failed runs with attempts left: a new attempt with a new reservation of credit_limit credits.")
+    option_names=("plan",), form=RetryForm, command="retry_run",
+    arguments=lambda parser: parser.add_argument("--plan-file", help="an edited plan (JSON) for the new attempt"),
+    command_options=_retry_options,
+    description="Retry failed runs with attempts left: a new attempt with a new reservation of credit_limit credits, "
+                "optionally running an edited plan (not for gated runs: their plan is their contract).")
 
 
 # --- refund -------------------------------------------------------------------------------
@@ -382,19 +426,30 @@ RUN_REFUND = RunRunbook(
 # --- escalate -----------------------------------------------------------------------------
 
 def _escalate_plan(run: Run, options: dict) -> Plan:
-    ticket = run_open_escalation(run=run, trigger=EscalationTicket.Trigger.MANUAL)
-    skip = f"already escalated (ticket {ticket.pk}, {ticket.status})" if ticket else ""
-    return Plan(current=run.status, change=f"opens a manual escalation ticket (run stays {run.status})",
-                credits=_held(run), skip=skip)
+    ticket = run_open_escalation(run=run)
+    change = (f"adds a manual trigger to escalation ticket {ticket.pk} ({ticket.status})" if ticket else
+              "opens a manual escalation ticket")
+    return Plan(current=run.status, change=f"{change} (run stays {run.status})", credits=_held(run),
+                skip=_escalated_manually(ticket))
+
+
+def _escalated_manually(ticket: EscalationTicket | None) -> str:
+    """A run's open incident already escalated by an operator: a repeated escalation is a no-op."""
+    if ticket is None or not any(entry.get("trigger") == EscalationTicket.Trigger.MANUAL for entry in ticket.triggers):
+        return ""
+    return f"already escalated (ticket {ticket.pk}, {ticket.status})"
 
 
 def _escalate(run: Run, *, actor, reason: str, options: dict) -> str:
+    skip = _escalated_manually(run_open_escalation(run=run))
+    if skip:
+        raise Skip(skip)
     with transaction.atomic():
         ticket, created = escalations.escalation_open(run=run, trigger=EscalationTicket.Trigger.MANUAL,
                                                       detail=reason, actor=actor, reason=reason,
                                                       severity=options.get("severity") or "high")
     if not created:
-        raise Skip(f"already escalated (ticket {ticket.pk}, {ticket.status})")
+        return f"added a manual trigger to escalation ticket {ticket.pk} ({ticket.status})"
     return f"opened escalation ticket {ticket.pk}"
 
 
@@ -411,7 +466,7 @@ RUN_ESCALATE = RunRunbook(
     arguments=lambda parser: parser.add_argument("--severity", choices=list(SEVERITIES), default="high"),
     command_options=lambda options: {"severity": options["severity"]},
     description="Open a manual escalation ticket for runs (the reason is the ticket's detail); one open ticket per "
-                "run.")
+                "run: a run already escalated gets the manual trigger added to its open ticket.")
 
 
 # --- approve a gate -----------------------------------------------------------------------

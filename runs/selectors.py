@@ -61,9 +61,9 @@ def run_escalated() -> Exists:
         status=EscalationTicket.Status.RESOLVED))
 
 
-def run_open_escalation(*, run: Run, trigger: str) -> EscalationTicket | None:
-    return (EscalationTicket.objects.filter(run=run, trigger=trigger)
-            .exclude(status=EscalationTicket.Status.RESOLVED).first())
+def run_open_escalation(*, run: Run) -> EscalationTicket | None:
+    """The run's one open or acknowledged escalation ticket (its current incident), if any."""
+    return EscalationTicket.objects.filter(run=run).exclude(status=EscalationTicket.Status.RESOLVED).first()
 
 
 def run_held_credits(run: Run) -> int:

@@ -8,6 +8,18 @@ from core.api.tenancy import MAX_ID
 from core.models import Organization, Project
 
 
+class StrictSerializer(serializers.Serializer):
+    """A request body's serializer: a key it does not declare is refused (``400`` naming the field),
+    never silently ignored (a misspelt option would otherwise be dropped without a word)."""
+
+    def to_internal_value(self, data):
+        if hasattr(data, "keys"):
+            unknown = sorted(str(key) for key in data.keys() if key not in self.fields or self.fields[key].read_only)
+            if unknown:
+                raise serializers.ValidationError({key: ["unknown field: not accepted here"] for key in unknown})
+        return super().to_internal_value(data)
+
+
 class OrganizationSerializer(serializers.ModelSerializer):
     class Meta:
         model = Organization

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from core.api.serializers import json_without_nul
+from core.api.serializers import StrictSerializer, json_without_nul
 from core.api.tenancy import MAX_ID
 from jobs.models import JobState, PriorityClass
 from jobs.services import job_as_dict
@@ -35,7 +35,7 @@ class JobSerializer(serializers.Serializer):
         return job_as_dict(instance)
 
 
-class JobEnqueueSerializer(serializers.Serializer):
+class JobEnqueueSerializer(StrictSerializer):
     type = serializers.CharField(max_length=100, help_text="a registered job type clients may enqueue")
     project = serializers.IntegerField(min_value=1, max_value=MAX_ID)
     payload = serializers.DictField(default=dict, validators=[json_without_nul],
@@ -53,5 +53,5 @@ class JobEnqueuedSerializer(JobSerializer):
     dedupe = serializers.ChoiceField(choices=["enqueued", "already_queued", "dropped", "merged"])
 
 
-class JobCancelSerializer(serializers.Serializer):
+class JobCancelSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=1000, required=False, allow_blank=True, default="")

@@ -7,7 +7,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from core.api.actors import ActorNames
-from core.api.serializers import json_without_nul
+from core.api.serializers import StrictSerializer, json_without_nul
 from core.api.tenancy import MAX_ID
 from runs.models import (
     Agent,
@@ -75,7 +75,7 @@ class PlanField(serializers.JSONField):
     pass
 
 
-class RunCreateSerializer(serializers.Serializer):
+class RunCreateSerializer(StrictSerializer):
     project = serializers.IntegerField(min_value=1, max_value=MAX_ID)
     name = serializers.CharField(max_length=200)
     plan = PlanField(validators=[json_without_nul])
@@ -90,9 +90,14 @@ class RunCreateSerializer(serializers.Serializer):
                                    help_text="dryrun: checks and gates run, tool steps are not executed")
 
 
-class ActionSerializer(serializers.Serializer):
+class ActionSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=1000, required=False, allow_blank=True, default="",
                                    help_text="why (kept in the audit trail)")
+
+
+class RetrySerializer(ActionSerializer):
+    plan = PlanField(required=False, validators=[json_without_nul],
+                     help_text="an edited plan for the new attempt (validated like a new run's; not for a gated run)")
 
 
 class ApproveSerializer(ActionSerializer):
@@ -107,7 +112,7 @@ class ResumeSerializer(ActionSerializer):
                                          help_text="a run awaiting approval: the approval reference")
 
 
-class ReasonRequiredSerializer(serializers.Serializer):
+class ReasonRequiredSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=1000, help_text="why (required; kept in the audit trail)")
 
 
@@ -266,12 +271,14 @@ class EscalationSerializer(serializers.ModelSerializer):
     username or ``operator`` (``core.api.actors``)."""
 
     status = serializers.ChoiceField(choices=EscalationTicket.Status.choices, read_only=True)
+    triggers = serializers.ListField(child=serializers.DictField(), read_only=True,
+                                     help_text="every trigger the incident gathered: trigger, at (ISO time), detail")
     acknowledged_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
     resolved_by = serializers.SlugRelatedField(slug_field="username", read_only=True, allow_null=True)
 
     class Meta:
         model = EscalationTicket
-        fields = ["id", "organization", "run", "status", "trigger", "severity", "detail", "created_at",
+        fields = ["id", "organization", "run", "status", "trigger", "triggers", "severity", "detail", "created_at",
                   "acknowledged_at", "acknowledged_by", "resolved_at", "resolved_by", "resolution"]
         read_only_fields = fields
 
@@ -284,5 +291,5 @@ class EscalationSerializer(serializers.ModelSerializer):
         return data
 
 
-class ResolveSerializer(serializers.Serializer):
+class ResolveSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=1000, help_text="the resolution")

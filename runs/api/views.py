@@ -40,6 +40,7 @@ from runs.api.serializers import (
     ReasonRequiredSerializer,
     ResolveSerializer,
     ResumeSerializer,
+    RetrySerializer,
     RunCreateSerializer,
     RunDetailSerializer,
     RunSerializer,
@@ -57,6 +58,7 @@ for _code, _description in {
     "drift_detected": (409, "resuming found drift: the run stays stopped as `stopped_drift:<dimension>`"),
     "pipeline_key_in_use": (409, "a phase's idempotency key is held by another run (`key`, `run`)"),
     "run_busy": (409, "the run changed while it was being checked; try again"),
+    "plan_is_contract": (409, "a gated run's plan is its contract: a retry cannot edit it"),
 }.items():
     ERROR_CODES.setdefault(_code, _description)
 
@@ -235,11 +237,22 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
     def sidecar(self, request, pk=None):
         return Response(sidecar_build(self.get_object()))
 
-    @_action_schema("Retry a failed run (a new attempt and reservation)", "insufficient_credits", "queue_full")
+    @extend_schema(summary="Retry a failed run (a new attempt and reservation), optionally with an edited plan",
+                   request=RetrySerializer,
+                   responses={200: RunDetailSerializer, **errors("not_found", "invalid_transition", "validation_error",
+                                                                 "plan_is_contract", "insufficient_credits",
+                                                                 "queue_full")})
     @action(detail=True, methods=["post"])
     def retry(self, request, pk=None):
-        """failed → retrying → pending: a new attempt with a new reservation, while attempts are left."""
-        return self._act(request, services.run_retry)
+        """failed → retrying → pending: a new attempt with a new reservation, while attempts are left. With `plan`,
+        the new attempt runs that plan (validated like a new run's; the audit record keeps the plan before and
+        after); a gated run's plan is its contract: editing it answers 409 `plan_is_contract`."""
+        serializer = RetrySerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        data = serializer.validated_data
+        run = services.run_retry(run_id=self.get_object().pk, actor=request.user, reason=data["reason"],
+                                 plan=data.get("plan"))
+        return self._detail(run)
 
     @extend_schema(description=("Approves the gate a paused run waits for with an approval reference (used once); the"
                                 " run then resumes."),

@@ -11,7 +11,12 @@ from runs.models.run import Run
 
 
 class EscalationTicket(models.Model):
-    """A run handed to a human (seed 001 §6.2): open → acknowledged → resolved."""
+    """A run handed to a human (seed 001 §6.2): open → acknowledged → resolved.
+
+    One incident per run: a run has at most one unresolved ticket, which gathers every trigger that
+    fired while it was open (``triggers``: ``{"trigger", "at", "detail"}`` in the order they came).
+    ``trigger`` is the one that opened it.
+    """
 
     class Status(models.TextChoices):
         OPEN = "open", "Open"
@@ -32,6 +37,8 @@ class EscalationTicket(models.Model):
     trigger = models.CharField(max_length=32, choices=Trigger.choices)
     severity = models.CharField(max_length=16, default="high")
     detail = models.TextField()
+    triggers = models.JSONField(default=list, blank=True,
+                                help_text="every trigger the ticket gathered: trigger, at (ISO time), detail")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     acknowledged_at = models.DateTimeField(null=True, blank=True)
     acknowledged_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
@@ -44,8 +51,8 @@ class EscalationTicket(models.Model):
     class Meta:
         ordering = ["-id"]
         constraints = [
-            models.UniqueConstraint(fields=["run", "trigger"], condition=~models.Q(status="resolved"),
-                                    name="escalation_one_unresolved_per_trigger"),
+            models.UniqueConstraint(fields=["run"], condition=~models.Q(status="resolved"),
+                                    name="escalation_one_unresolved_per_run"),
         ]
         # manage_escalation is declared by the escalation runbooks (runs.runbooks)
 

@@ -16,7 +16,7 @@ from runs.models import EscalationTicket, Run, RunAttempt
 from runs.pipeline.bookkeeping import attempt_active_ms
 from runs.pipeline.caps import cap_due
 from runs.services.common import _lock_run
-from runs.services.escalations import escalation_add_detail, escalation_open
+from runs.services.escalations import escalation_open
 from runs.services.lifecycle import run_pause
 from runs.substates import SubState, status_reason
 
@@ -48,9 +48,8 @@ def caps_enforce(*, run_id: int, now=None) -> str | None:
                      run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
                                              "active_ms": attempt_active_ms(attempt, now)})
         run = run_pause(run_id=run.pk, status_reason=status_reason(SubState.STOP_AND_ESCALATE, cap), reason=detail)
-        ticket, created = escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)
-        if not created:  # an earlier cap's ticket is still open: this cap goes on it
-            escalation_add_detail(ticket=ticket, detail=detail)
+        # an earlier cap's (or any trigger's) ticket is still open: this cap goes on it
+        escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)
         return cap
 
 

@@ -76,7 +76,7 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
-                       extra: dict | None = None) -> None:
+                       extra: dict | None = None, audit_after: dict | None = None) -> None:
     now = timezone.now()
     if before["status"] != run.status:
         run.status_changed_at = now
@@ -109,7 +109,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
-                     after=_snapshot(run))
+                     after={**_snapshot(run), **(audit_after or {})})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number,
                    **{"from": before["status"], "to": run.status}, action=action, reason=reason or run.last_error_code)
 

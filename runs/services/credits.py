@@ -36,6 +36,21 @@ def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> 
         attempt.save(update_fields=["credits_reserved"])
 
 
+def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number: int) -> None:
+    """Hold a re-plan's worst-case cost on top of the attempt's reservation (released with the rest
+    when the attempt ends); ``InsufficientCredits`` when the organization cannot pay it."""
+    with transaction.atomic():
+        result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                                attempt_number=attempt.number, amount=amount,
+                                idempotency_key=f"replan:{run.pk}:{attempt.number}:{replan_number}",
+                                reason=f"reserve for re-plan {replan_number} of attempt {attempt.number}")
+    if result.created:
+        attempt.credits_reserved += amount
+        run.credits_reserved += amount
+        attempt.save(update_fields=["credits_reserved"])
+        run.save(update_fields=["credits_reserved", "updated_at"])
+
+
 def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
     """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it."""
     if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():

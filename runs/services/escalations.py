@@ -1,8 +1,9 @@
 """Escalation tickets (seed 001 §6.2): open on the triggers, then acknowledged and resolved.
 
-A run has at most one unresolved ticket per trigger (a unique constraint): a trigger that fires
-again while its ticket is open opens no second ticket; callers with something new to say add it
-to the open one (``escalation_add_detail``).
+One incident per run: a run has at most one unresolved ticket (a unique constraint). A trigger that
+fires while that ticket is open or acknowledged is added to it (``escalation_add_detail``: the
+ticket's ``triggers`` list and detail gain an entry, an ``escalation_updated`` event is written),
+never a second ticket.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from django_fsm import can_proceed
 from core.errors import InvalidTransition, ValidationFailed
 from core.services import audit_record, event_record, row_lock, transition_log
 from runs.events import ESCALATION_UPDATED, escalation_event
-from runs.models import EscalationTicket, Run, StepAttempt
+from runs.models import OPEN_ESCALATION_STATES, EscalationTicket, Run, StepAttempt
 
 ERROR_WINDOW = timedelta(minutes=5)
 ERROR_THRESHOLD = 5  # more than this many errors in the window
@@ -34,40 +35,55 @@ def _emit(ticket: EscalationTicket, *, before: str) -> None:
                    **{"from": before, "to": ticket.status}, reason=ticket.trigger)
 
 
+def _trigger_entry(trigger: str, detail: str, at=None) -> dict:
+    return {"trigger": trigger, "at": (at or timezone.now()).isoformat(), "detail": detail}
+
+
+def _unresolved(run: Run) -> EscalationTicket | None:
+    return EscalationTicket.objects.filter(run=run, status__in=OPEN_ESCALATION_STATES).first()
+
+
+@transaction.atomic
 def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: str = "",
                     severity: str = "high") -> tuple[EscalationTicket, bool]:
-    """Open a ticket for ``run`` (or return its unresolved ticket for the same trigger)."""
+    """Open the run's ticket for ``trigger``; while the run already has an open or acknowledged
+    ticket, the trigger is added to that one instead (``created`` is then False)."""
     if trigger not in EscalationTicket.Trigger.values:
         raise ValidationFailed("unknown trigger", errors={"trigger": [f"{trigger!r} is not a trigger"]})
-    existing = EscalationTicket.objects.filter(run=run, trigger=trigger).exclude(
-        status=EscalationTicket.Status.RESOLVED).first()
+    existing = _unresolved(run)
+    if existing is None:
+        try:
+            with transaction.atomic():
+                ticket = EscalationTicket.objects.create(
+                    run=run, organization_id=run.organization_id, trigger=trigger, detail=detail, severity=severity,
+                    triggers=[_trigger_entry(trigger, detail)])
+        except IntegrityError:  # opened meanwhile by a concurrent trigger: add to that one
+            existing = EscalationTicket.objects.get(run=run, status__in=OPEN_ESCALATION_STATES)
     if existing is not None:
-        return existing, False
-    try:
-        with transaction.atomic():
-            ticket = EscalationTicket.objects.create(run=run, organization_id=run.organization_id, trigger=trigger,
-                                                     detail=detail, severity=severity)
-    except IntegrityError:
-        return EscalationTicket.objects.get(run=run, trigger=trigger,
-                                            status__in=["open", "acknowledged"]), False
-    _emit(ticket, before="")
+        ticket = escalation_add_detail(ticket=existing, detail=detail, trigger=trigger)
+    else:
+        _emit(ticket, before="")
     if actor is not None:
         audit_record(actor=actor, action="run_escalate", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason or detail,
-                     after={"escalation": ticket.pk, "trigger": trigger})
-    return ticket, True
+                     after={"escalation": ticket.pk, "trigger": trigger, "added": existing is not None})
+    return ticket, existing is None
 
 
-def escalation_add_detail(*, ticket: EscalationTicket, detail: str) -> EscalationTicket:
-    """The trigger fired again while its ticket is still unresolved: the ticket gains a line (and
-    an ``escalation_updated`` event) instead of a second ticket, so nothing that happened is lost."""
+@transaction.atomic
+def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str | None = None) -> EscalationTicket:
+    """A trigger fired while the ticket is still unresolved: the ticket gains an entry in ``triggers``
+    and a line in its detail (and an ``escalation_updated`` event) instead of a second ticket, so
+    nothing that happened is lost. ``trigger`` defaults to the ticket's opening trigger."""
     ticket = EscalationTicket.objects.select_for_update().select_related("run").get(pk=ticket.pk)
-    stamp = timezone.now().strftime("%Y-%m-%d %H:%M:%S")
-    ticket.detail = f"{ticket.detail}\n{stamp} again: {detail}"
-    ticket.save(update_fields=["detail"])
+    trigger = trigger or ticket.trigger
+    now = timezone.now()
+    ticket.detail = f"{ticket.detail}\n{now:%Y-%m-%d %H:%M:%S} {trigger}: {detail}"
+    ticket.triggers = [*ticket.triggers, _trigger_entry(trigger, detail, now)]
+    ticket.save(update_fields=["detail", "triggers"])
     run = ticket.run
     event_record(type=ESCALATION_UPDATED, organization_id=ticket.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger,
+                 run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": trigger,
                                          "status": ticket.status, "added": detail, "severity": ticket.severity})
     return ticket
 
@@ -116,8 +132,12 @@ def escalation_resolve(*, ticket_id: int, actor, reason: str) -> EscalationTicke
 
 def escalations_evaluate(*, run: Run, failed_attempt: StepAttempt, uncapped_delay_ms: int | None,
                          retries_exhausted: bool, cap_ms: int) -> list[EscalationTicket]:
-    """Open the tickets seed 001 §6.2's triggers call for after a failed step attempt."""
+    """Open (or add to) the run's ticket for the triggers seed 001 §6.2 calls for after a failed step
+    attempt. A trigger already on the run's unresolved ticket is not added again on every failed
+    attempt. Returns the tickets opened."""
     opened = []
+    current = _unresolved(run)
+    gathered = {entry.get("trigger") for entry in current.triggers} if current is not None else set()
     since = timezone.now() - ERROR_WINDOW
     recent = StepAttempt.objects.filter(run=run, started_at__gte=since).exclude(
         outcome__in=[StepAttempt.Outcome.RUNNING, StepAttempt.Outcome.DISCARDED])
@@ -134,7 +154,8 @@ def escalations_evaluate(*, run: Run, failed_attempt: StepAttempt, uncapped_dela
          f"retryable error {failed_attempt.error_code} exhausted the step's tries: {failed_attempt.error}"),
     ]
     for fired, trigger, detail in checks:
-        if fired:
+        if fired and trigger not in gathered:
+            gathered.add(trigger)
             ticket, created = escalation_open(run=run, trigger=trigger, detail=detail)
             if created:
                 opened.append(ticket)

@@ -19,7 +19,7 @@ from core.errors import (
 )
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
-from runs.errors import RunNotStuck
+from runs.errors import PlanIsContract, RunNotStuck
 from runs.events import RUN_DELETED
 from runs.models import (
     Agent,
@@ -328,14 +328,36 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
 
 
 @transaction.atomic
-def run_retry(*, run_id: int, actor=None, reason: str = "") -> Run:
+def run_retry(*, run_id: int, actor=None, reason: str = "", plan: dict | None = None) -> Run:
     """failed → retrying while ``attempt_number < max_attempts``: a new attempt with a new
     reservation; earlier agents, tasks and steps stay for audit. Already retrying: no-op.
+
+    With ``plan``, the new attempt runs that plan: it is validated like a new run's (format, size
+    caps, one try of each step within the run's ``credit_limit``), and the audit record keeps the
+    plan before and after. A gated run's plan is its contract: ``PlanIsContract``.
     """
     run = _lock_run(run_id)
     if run.status == Run.Status.RETRYING:
         return run
-    return _retry_locked(run, actor=actor, reason=reason)
+    if plan is not None:
+        _retry_plan_check(run, plan)
+    return _retry_locked(run, actor=actor, reason=reason, plan=plan)
+
+
+def _retry_plan_check(run: Run, plan: Any) -> None:
+    if run.gated:
+        raise PlanIsContract(f"run {run.pk} is a gated pipeline: its plan is its contract and cannot be edited; "
+                             "void it and create a new run instead")
+    plan_validate(plan)
+    errors = []
+    if plan_is_gated(plan):
+        errors.append("a retry cannot turn a run into a gated pipeline: create a new run")
+    least = plan_cost_estimate(plan, tries_per_step=1) if run.mode != "dryrun" else 1
+    if run.credit_limit < least:
+        errors.append(f"one try of each step costs {least} credits, more than the run's credit_limit "
+                      f"({run.credit_limit})")
+    if errors:
+        raise ValidationFailed("invalid plan", errors={"plan": errors})
 
 
 @transaction.atomic

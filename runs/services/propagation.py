@@ -20,12 +20,14 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.plan import plan_cost_estimate
 from runs.selectors import run_current_attempt
 from runs.services.common import (
     _discard_open_attempts,
     _node_move,
     _spawn_agents,
 )
+from runs.services.credits import _reserve_replan
 from runs.services.settlement import (
     _complete_locked,
     _defer_failure_while_paused,
@@ -136,13 +138,25 @@ def _replan(run: Run) -> bool:
     specs = PLANNER.replan(run, failed)
     if not specs:
         return False
+    number = run.replan_count + 1
+    cost = (plan_cost_estimate({"agents": specs}, tries_per_step=MAX_RETRIES_PER_LEVEL,
+                               level_retries=MAX_RETRIES_PER_LEVEL) if run.mode != "dryrun" else 0)
+    if cost:
+        try:
+            _reserve_replan(run, run_current_attempt(run), amount=cost, replan_number=number)
+        except InsufficientCredits as exc:
+            if run.failure_mode == FailureMode.CONTINUE:
+                return False  # the run goes on with the agents it has
+            _fail_locked(run, code="insufficient_credits",
+                         message=f"re-plan {number} of the failed work needs {cost} credits: {exc.detail}")
+            return True
     next_sequence = Agent.objects.filter(run=run, attempt_number=run.attempt_number).count()
     _spawn_agents(run, specs, first_sequence=next_sequence)
-    run.replan_count += 1
+    run.replan_count = number
     run.save(update_fields=["replan_count", "updated_at"])
     event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
-                          "new_agents": [spec["name"] for spec in specs]})
+                          "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
                    **{"from": run.status, "to": run.status}, reason=f"replan {run.replan_count}")
     return True

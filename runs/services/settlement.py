@@ -4,6 +4,7 @@ The lifecycle services and failure propagation both end runs through these, unde
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.utils import timezone
 
 from core.errors import (
@@ -16,6 +17,7 @@ from runs.models import (
     Run,
     RunAttempt,
 )
+from runs.plan import plan_diff
 from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
@@ -72,13 +74,21 @@ def _fail_locked(run: Run, *, code: str, message: str, actor=None, reason: str =
     return run
 
 
-def _retry_locked(run: Run, *, actor=None, reason: str = "") -> Run:
+def _retry_locked(run: Run, *, actor=None, reason: str = "", plan: dict | None = None) -> Run:
+    """A new attempt; with ``plan`` (already validated), the attempt runs that plan instead, and the
+    audit record keeps the plan before and after and the paths that changed."""
     before = _snapshot(run)
     _apply(run, "retry")
+    audit_after = None
+    if plan is not None and plan != run.plan:
+        before["plan"] = run.plan
+        audit_after = {"plan": plan, "plan_diff": plan_diff(run.plan, plan)}
+        run.plan = plan
+        run.max_agents = plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS)
     attempt = RunAttempt.objects.create(run=run, number=run.attempt_number)
     _reserve(run, attempt, actor=actor, reason=reason)
     run.status_reason = ""
-    _record_run_change(run, before=before, action="retry", actor=actor, reason=reason)
+    _record_run_change(run, before=before, action="retry", actor=actor, reason=reason, audit_after=audit_after)
     _dispatch_after_commit(run.pk)
     return run
 

@@ -4,6 +4,7 @@ Django's log entry, reports per object, and does nothing the second time."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -409,3 +410,21 @@ def test_a_large_selection_is_summed_up_and_a_huge_one_refused(make_staff, login
     assert len(report) == 26 and all(level == messages.SUCCESS for level, _ in report)
     assert report[-1][1] == "Cancel — 5 more done: " + ", ".join(str(pk) for pk in sorted(ids[:30])[25:])
     assert Run.objects.filter(status="cancelled").count() == 30 and LogEntry.objects.count() == 30
+
+
+def test_the_retry_runbook_takes_an_edited_plan_and_shows_its_errors_in_the_form(make_staff, login, run_in):
+    client = login(make_staff("op", "runs.retry_run"))
+    run = run_in("failed")
+    url = reverse("admin:runs_run_runbook", args=[run.pk, "retry"])
+    assert 'name="plan"' in client.get(url).content.decode()
+    for text, message in (("{nope", "not valid JSON"), ('{"agents": []}', "agents")):
+        page = client.post(url, {"runbook_confirm": "retry", "reason": "edit", "plan": text})
+        assert page.status_code == 200 and message in str(page.context["form"].errors["plan"])
+        assert Run.objects.get(pk=run.pk).status == "failed"
+    edited = {"agents": [{"name": "a", "tasks": [{"name": "t", "steps": [
+        {"name": "s", "tool": "echo", "args": {"text": "edited"}}]}]}]}
+    done = client.post(url, {"runbook_confirm": "retry", "reason": "edit", "plan": json.dumps(edited)})
+    assert done.status_code == 302
+    run.refresh_from_db()
+    assert (run.status, run.plan) == ("retrying", edited)
+    assert AuditRecord.objects.get(action="run_retry", run_id=run.pk).after["plan"] == edited

@@ -83,6 +83,8 @@ def test_failing_demo_runs_fail_with_a_retryable_error(demo_org):
                and not Job.objects.filter(state__in=list(ACTIVE_JOB_STATES)).exists(), timeout=30)
     failed = Run.objects.get(name="demo: ingest (fails)")
     assert failed.last_error_code and failed.attempts.get().outcome
+    # its re-plan had a budget of its own: the run fails with its real cause, not the credit limit
+    assert (failed.replan_count, failed.last_error_code) == (1, "drill_retryable"), failed.last_error
     assert invariants_check() == []
 
 

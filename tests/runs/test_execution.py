@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.models import Event
 from runs import services
@@ -122,9 +123,33 @@ def test_repeated_errors_open_an_escalation(project):
         {"name": f"t{n}", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 9}}]}
         for n in range(3)]}]}
     run = finish(start(project, plan, failure_mode="continue"))
-    triggers = set(EscalationTicket.objects.filter(run=run).values_list("trigger", flat=True))
-    assert {"error_burst", "error_rate", "retries_exhausted"} <= triggers
-    assert Event.objects.filter(run_id=run.pk, type="escalation_open").exists()
+    ticket = EscalationTicket.objects.get(run=run)  # one incident, every trigger on it
+    triggers = [entry["trigger"] for entry in ticket.triggers]
+    assert {"error_burst", "error_rate", "retries_exhausted"} <= set(triggers)
+    assert len(triggers) == len(set(triggers))  # a trigger that fires again on every failed try is listed once
+    assert all(entry["at"] and entry["detail"] for entry in ticket.triggers)
+    assert Event.objects.filter(run_id=run.pk, type="escalation_open").count() == 1
+    updated = Event.objects.filter(run_id=run.pk, type="escalation_updated")
+    assert sorted(event.payload["trigger"] for event in updated) == sorted(triggers[1:])
+
+
+def test_a_run_that_fails_for_good_has_one_ticket_with_several_triggers(project, operator):
+    plan = {"agents": [{"name": "a", "tasks": [
+        {"name": "t", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 99}}]}]}]}
+    run = finish(start(project, plan))
+    assert run.status == Run.Status.FAILED
+    ticket = EscalationTicket.objects.get(run=run)
+    assert len({entry["trigger"] for entry in ticket.triggers}) >= 2, ticket.triggers
+    # an operator's escalation of the same run goes onto the same incident
+    added, created = services.escalation_open(run=run, trigger="manual", detail="customer called", actor=operator,
+                                              reason="customer called")
+    assert (added.pk, created) == (ticket.pk, False)
+    assert added.triggers[-1]["trigger"] == "manual" and added.triggers[-1]["detail"] == "customer called"
+    assert EscalationTicket.objects.filter(run=run).count() == 1
+    # once resolved, the next trigger opens a new incident
+    services.escalation_resolve(ticket_id=ticket.pk, actor=operator, reason="fixed upstream")
+    reopened, created = services.escalation_open(run=run, trigger="manual", detail="again", actor=operator)
+    assert created and reopened.pk != ticket.pk and [e["trigger"] for e in reopened.triggers] == ["manual"]
 
 
 def test_a_mostly_failed_run_is_replanned(project):
@@ -136,6 +161,35 @@ def test_a_mostly_failed_run_is_replanned(project):
     names = set(Agent.objects.filter(run=run).values_list("name", flat=True))
     assert "solo/flaky~replan1" in names
     assert Event.objects.filter(run_id=run.pk, type="run_replanned").exists()
+
+
+def test_a_replan_reserves_its_own_budget_and_the_healed_run_completes(project):
+    """The default credit limit covers the plan once: the re-plan holds the new work's worst case on top."""
+    plan = {"agents": [{"name": "solo", "tasks": [
+        {"name": "flaky", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 3}}]}]}]}
+    run = finish(start(project, plan))
+    assert (run.status, run.replan_count, run.last_error_code) == (Run.Status.COMPLETED, 1, "")
+    attempt = run.attempts.get()
+    # the new task retries (up to 3 times): its worst case is 1 credit × 3 tries × 4 rounds
+    assert attempt.credits_reserved == run.credit_limit + 12
+    assert attempt.credits_charged + attempt.credits_refunded == attempt.credits_reserved
+    keys = set(LedgerEntry.objects.filter(run_id=run.pk, kind="reserve").values_list("idempotency_key", flat=True))
+    assert f"replan:{run.pk}:1:1" in keys
+    assert Event.objects.get(run_id=run.pk, type="run_replanned").payload["credits_reserved"] == 12
+    assert invariants_check() == []
+
+
+def test_a_replan_the_organization_cannot_pay_fails_the_run_with_insufficient_credits(org_factory):
+    organization, project, _owner = org_factory(credits=3)
+    plan = {"agents": [{"name": "solo", "tasks": [
+        {"name": "flaky", "steps": [{"name": "x", "tool": "fail", "args": {"mode": "retryable", "times": 3}}]}]}]}
+    run = finish(start(project, plan))
+    assert run.credit_limit == 3
+    assert (run.status, run.last_error_code, run.replan_count) == (Run.Status.FAILED, "insufficient_credits", 0)
+    assert "re-plan 1" in run.last_error
+    assert run.credits_charged + run.credits_refunded == run.credits_reserved == 3
+    assert account_balance(organization_id=organization.pk)["balance"] == 0
+    assert invariants_check() == []
 
 
 def test_a_run_level_retry_runs_a_second_attempt_for_transient_failures(project):
