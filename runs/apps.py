@@ -9,12 +9,13 @@ class RunsConfig(AppConfig):
         from core.metrics import COLLECTORS
         from core.scopes import event_scope_register
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
-        from runs import execution, runbooks, services, tools  # noqa: F401  (tools: registers the built-in tools)
+        from runs import escalation_runbooks, execution, runbooks, services, tools  # noqa: F401  (tools: registers the built-in tools)
         from runs.metrics import runs_collect
         from runs.models import Run
         from runs.reaper import run_heartbeat_hook, runs_reap
 
         runbooks.runbooks_register()
+        escalation_runbooks.runbooks_register()
         event_scope_register(
             "run", lambda pk: Run.objects.filter(pk=pk).values_list("organization_id", flat=True).first())
 

@@ -17,7 +17,6 @@ from pathlib import Path
 from django import forms
 from django.conf import settings
 from django.core.management.base import CommandError
-from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
@@ -37,8 +36,7 @@ from runs.models import (
 )
 from runs.pipeline import bookkeeping
 from runs.plan import plan_validate
-from runs.selectors import run_held_credits, run_open_escalation, runs_heartbeat_stale
-from runs.services import escalations
+from runs.selectors import run_held_credits, runs_heartbeat_stale
 from runs.substates import StatusReason, SubState
 
 FORCE_FAIL_CODE = "force_failed"
@@ -423,52 +421,6 @@ RUN_REFUND = RunRunbook(
                 "per run (never more than charged minus refunded).")
 
 
-# --- escalate -----------------------------------------------------------------------------
-
-def _escalate_plan(run: Run, options: dict) -> Plan:
-    ticket = run_open_escalation(run=run)
-    change = (f"adds a manual trigger to escalation ticket {ticket.pk} ({ticket.status})" if ticket else
-              "opens a manual escalation ticket")
-    return Plan(current=run.status, change=f"{change} (run stays {run.status})", credits=_held(run),
-                skip=_escalated_manually(ticket))
-
-
-def _escalated_manually(ticket: EscalationTicket | None) -> str:
-    """A run's open incident already escalated by an operator: a repeated escalation is a no-op."""
-    if ticket is None or not any(entry.get("trigger") == EscalationTicket.Trigger.MANUAL for entry in ticket.triggers):
-        return ""
-    return f"already escalated (ticket {ticket.pk}, {ticket.status})"
-
-
-def _escalate(run: Run, *, actor, reason: str, options: dict) -> str:
-    skip = _escalated_manually(run_open_escalation(run=run))
-    if skip:
-        raise Skip(skip)
-    with transaction.atomic():
-        ticket, created = escalations.escalation_open(run=run, trigger=EscalationTicket.Trigger.MANUAL,
-                                                      detail=reason, actor=actor, reason=reason,
-                                                      severity=options.get("severity") or "high")
-    if not created:
-        return f"added a manual trigger to escalation ticket {ticket.pk} ({ticket.status})"
-    return f"opened escalation ticket {ticket.pk}"
-
-
-SEVERITIES = ("critical", "high", "medium", "low")
-
-
-class EscalateForm(RunbookForm):
-    severity = forms.ChoiceField(choices=[(value, value) for value in SEVERITIES], initial="high")
-
-
-RUN_ESCALATE = RunRunbook(
-    name="escalate", title="Escalate", permission="runs.escalate_run", permission_label="Can escalate a run",
-    plan=_escalate_plan, perform=_escalate, option_names=("severity",), form=EscalateForm, command="escalate_run",
-    arguments=lambda parser: parser.add_argument("--severity", choices=list(SEVERITIES), default="high"),
-    command_options=lambda options: {"severity": options["severity"]},
-    description="Open a manual escalation ticket for runs (the reason is the ticket's detail); one open ticket per "
-                "run: a run already escalated gets the manual trigger added to its open ticket.")
-
-
 # --- approve a gate -----------------------------------------------------------------------
 
 def _approve_plan(run: Run, options: dict) -> Plan:
@@ -595,51 +547,12 @@ RUN_RECOVER = RunRunbook(
                 "with heartbeat_timeout, terminating their agents and refunding the unused reservation.")
 
 
-# --- escalation tickets -------------------------------------------------------------------
 
-def _ticket_credits(ticket: EscalationTicket) -> str:
-    run = ticket.run
-    return f"run {run.pk} ({run.status}): {_held(run)}"
-
-
-def _acknowledge_plan(ticket: EscalationTicket, options: dict) -> Plan:
-    skip = f"already {ticket.status}" if ticket.status != EscalationTicket.Status.OPEN else ""
-    return Plan(current=ticket.status, change=f"{ticket.status} → acknowledged", credits=_ticket_credits(ticket),
-                skip=skip)
-
-
-ESCALATION_ACKNOWLEDGE = TicketRunbook(
-    name="acknowledge", title="Acknowledge", plan=_acknowledge_plan,
-    perform=transition(by_id(escalations.escalation_acknowledge, "ticket_id")),
-    action_label="Acknowledge selected escalations…", command="acknowledge_escalation",
-    description="Acknowledge open escalation tickets (open → acknowledged): someone is on it.")
-
-
-def _resolve_plan(ticket: EscalationTicket, options: dict) -> Plan:
-    skip = "already resolved" if ticket.status == EscalationTicket.Status.RESOLVED else ""
-    return Plan(current=ticket.status, change=f"{ticket.status} → resolved (the reason is the resolution)",
-                credits=_ticket_credits(ticket), skip=skip)
-
-
-class ResolveForm(RunbookForm):
-    reason = forms.CharField(widget=forms.Textarea(attrs={"rows": 3, "cols": 80}), max_length=2000,
-                             label="Resolution", error_messages={"required": "A resolution is required."},
-                             help_text="What was done. Recorded as the ticket's resolution "
-                                       "and in the audit trail.")
-
-
-ESCALATION_RESOLVE = TicketRunbook(
-    name="resolve", title="Resolve", plan=_resolve_plan,
-    perform=transition(by_id(escalations.escalation_resolve, "ticket_id")), form=ResolveForm,
-    action_label="Resolve selected escalations…", command="resolve_escalation",
-    description="Resolve escalation tickets (open or acknowledged → resolved); the reason is the resolution.")
-
-
-RUNBOOKS = (RUN_START, RUN_FORCE_FAIL, RUN_CANCEL, RUN_PAUSE, RUN_RESUME, RUN_RETRY, RUN_REFUND, RUN_ESCALATE,
-            RUN_APPROVE_GATE, RUN_RECOVER, RUN_ACKNOWLEDGE_DRIFT, RUN_VOID, ESCALATION_ACKNOWLEDGE, ESCALATION_RESOLVE)
+RUNBOOKS = (RUN_START, RUN_FORCE_FAIL, RUN_CANCEL, RUN_PAUSE, RUN_RESUME, RUN_RETRY, RUN_REFUND,
+            RUN_APPROVE_GATE, RUN_RECOVER, RUN_ACKNOWLEDGE_DRIFT, RUN_VOID)
 
 
 def runbooks_register() -> None:
-    """``RunsConfig.ready``: the run and escalation runbooks join the registry, in this order."""
+    """``RunsConfig.ready``: the run runbooks join the registry, in this order."""
     for runbook in RUNBOOKS:
         runbook_register(runbook)

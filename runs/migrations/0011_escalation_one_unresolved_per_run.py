@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("runs", "0009_escalation_triggers_merge_open_tickets"),
+        ("runs", "0010_escalation_triggers_merge_open_tickets"),
     ]
 
     operations = [

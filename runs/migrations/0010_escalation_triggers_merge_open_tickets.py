@@ -39,7 +39,7 @@ def merge_open_tickets(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ("runs", "0008_runbook_permissions_declared_by_runbooks"),
+        ("runs", "0009_runbook_permissions_declared_by_runbooks"),
     ]
 
     operations = [
