@@ -222,6 +222,9 @@ ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S = env_int("ORCHESTRATOR_RUN_RETRYING_TIMEOUT
 ORCHESTRATOR_RUN_AUTO_RECOVER = env_bool("ORCHESTRATOR_RUN_AUTO_RECOVER", True)
 ORCHESTRATOR_ARTIFACT_TTL_DAYS = env_int("ORCHESTRATOR_ARTIFACT_TTL_DAYS", 30)
 ORCHESTRATOR_MAX_AGENTS = env_int("ORCHESTRATOR_MAX_AGENTS", 10)
+# How long one run_step job goes on with the next runnable step of its run (begun in the
+# transaction that settled the last) before it leaves the rest to new jobs; 0: one step a job.
+ORCHESTRATOR_RUN_STEP_CHAIN_MS = env_int("ORCHESTRATOR_RUN_STEP_CHAIN_MS", 2000)
 # The size of a plan (runs/plan.py): agents in it (not max_agents, the agents running at once),
 # tasks of one agent, steps of one task, steps in all. A plan over a cap is refused as a whole.
 ORCHESTRATOR_PLAN_MAX_AGENTS = env_int("ORCHESTRATOR_PLAN_MAX_AGENTS", 50)

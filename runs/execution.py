@@ -15,6 +15,7 @@ import logging
 import time
 from datetime import timedelta
 
+from django.conf import settings
 from django.db.models import Min
 from django.utils import timezone
 
@@ -22,7 +23,7 @@ from core.errors import InvalidTransition, NotFound, ValidationFailed
 from core.tracing import traced
 from jobs.errors import CommandConflict
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
-from jobs.services import job_enqueue
+from jobs.services import job_enqueue, job_retarget
 from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
@@ -89,12 +90,7 @@ def _tick(ctx, payload: dict) -> dict:
         job_enqueue(job_type="run_step", project=run.project, run_id=run_id, priority=run.priority,
                     payload={"run": run_id, "step": step.pk, "round": step.attempts})
     if not steps:
-        current = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
-        if not current.filter(status=NodeStatus.RUNNING).exists():
-            wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=timezone.now()).aggregate(
-                at=Min("not_before"))["at"]
-            if wake_at is not None:
-                run_dispatch(run_id, not_before=wake_at)
+        _wake_after_backoff(run)
     return {"run": run_id, "status": run.status, "steps": [step.pk for step in steps]}
 
 
@@ -114,16 +110,86 @@ def _step(ctx, payload: dict) -> dict:
         if stopped is not None:
             return {"step": step_id, "attempt": attempt.number, "decision": stopped.decision,
                     "stopped": "drift found on recovery"}
-    step = Step.objects.select_related("run__project").get(pk=step_id)
-    outcome = _execute_attempt(ctx, step, attempt)
-    if step.run.gated:
-        services.caps_enforce(run_id=run_id)  # a step that overran its phase's soft cap stops the run here
-    not_before = None
-    if outcome.decision == "retry":
-        not_before = timezone.now() + timedelta(milliseconds=outcome.delay_ms)
-    run_dispatch(run_id, not_before=not_before)
-    return {"step": step_id, "attempt": attempt.number, "decision": outcome.decision,
-            "error": outcome.error_code or None}
+    chain = _Chain(ctx, run_id)
+    step = Step.objects.select_related("run__project").get(pk=attempt.step_id)
+    while True:
+        outcome = _execute_attempt(ctx, step, attempt, then=None if step.run.gated else chain.settled)
+        result = {"step": step.pk, "attempt": attempt.number, "decision": outcome.decision,
+                  "error": outcome.error_code or None}
+        if not chain.scheduled:  # a gate, a gated run or an interrupted attempt: the run's tick looks at it
+            if step.run.gated:
+                services.caps_enforce(run_id=run_id)  # a step that overran its phase's soft cap stops the run here
+            not_before = None
+            if outcome.decision == "retry":
+                not_before = timezone.now() + timedelta(milliseconds=outcome.delay_ms)
+            run_dispatch(run_id, not_before=not_before)
+            return result
+        if chain.next_attempt is None:
+            return result
+        step, attempt = chain.take()
+
+
+class _Chain:
+    """What a ``run_step`` job does next, decided in the transaction that settled its step, under
+    the run's lock: begin the run's next runnable step itself (its job is pointed at that step, so a
+    recovered job resumes it), queue ``run_step`` jobs for the other runnable steps, or a ``run_tick``
+    when the run waits out a backoff. It goes on while ``ORCHESTRATOR_RUN_STEP_CHAIN_MS`` lasts and
+    the next step's tool fits in what is left of the job's timeout."""
+
+    def __init__(self, ctx, run_id: int):
+        self.ctx, self.run_id = ctx, run_id
+        self.started = time.monotonic()
+        self.scheduled = False
+        self.next_attempt: StepAttempt | None = None
+        self.next_step: Step | None = None
+
+    def take(self) -> tuple[Step, StepAttempt]:
+        step, attempt = self.next_step, self.next_attempt
+        self.next_step, self.next_attempt, self.scheduled = None, None, False
+        return step, attempt
+
+    def _may_go_on(self, step: Step) -> bool:
+        elapsed = time.monotonic() - self.started
+        if elapsed * 1000 >= settings.ORCHESTRATOR_RUN_STEP_CHAIN_MS or self.ctx.should_stop():
+            return False
+        tool = tool_get(step.tool) if step.kind == Step.Kind.TOOL else None
+        timeout = tool.timeout_s if tool is not None and tool.timeout_s else 0
+        return elapsed + timeout + 5 < self.ctx.definition.effective_timeout_s
+
+    def settled(self, run: Run, outcome: services.StepOutcome) -> None:
+        self.scheduled = True
+        run.refresh_from_db(fields=["status"])
+        if run.status != Run.Status.RUNNING:
+            return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
+        steps = services.runnable_steps(run)
+        mine = None
+        for step in steps:
+            if (step.kind == Step.Kind.TOOL and self._may_go_on(step)
+                    and job_retarget(job_id=self.ctx.job_id, attempt=self.ctx.attempt, job_type=RUN_STEP.type,
+                                     project_id=run.project_id,
+                                     payload={"run": run.pk, "step": step.pk, "round": step.attempts})):
+                mine = step
+                break
+        for step in steps:
+            if step is not mine:
+                job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
+                            payload={"run": run.pk, "step": step.pk, "round": step.attempts})
+        if mine is not None:
+            self.next_step = Step.objects.select_related("task__agent", "run__project").get(pk=mine.pk)
+            self.next_attempt = services.step_begin_locked(run, self.next_step)
+        if not steps:
+            _wake_after_backoff(run)
+
+
+def _wake_after_backoff(run: Run) -> None:
+    """No step may start now: when none is running either, tick the run when its first backoff ends."""
+    current = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
+    if current.filter(status=NodeStatus.RUNNING).exists():
+        return
+    wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=timezone.now()).aggregate(
+        at=Min("not_before"))["at"]
+    if wake_at is not None:
+        run_dispatch(run.pk, not_before=wake_at)
 
 
 def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:
@@ -135,7 +201,9 @@ def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:
             .first())
 
 
-def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
+def _execute_attempt(ctx, step: Step, attempt, *, then=None) -> services.StepOutcome:
+    """Invoke the step's tool and settle the attempt; ``then`` (``step_attempt_succeed``) runs in the
+    settling transaction, which on success is also the one that records the command's result."""
     from jobs.commands.services import CommandFailed, command_execute
     from jobs.executor import time_limit
 
@@ -144,11 +212,12 @@ def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
         return gate_execute(step=step, attempt=attempt)
     if run.mode == "dryrun":  # a dry run executes its checks and gates, never a tool's side effect
         return services.step_attempt_succeed(attempt_id=attempt.pk, output={
-            "dryrun": True, "tool": step.tool, "args": step.args})
+            "dryrun": True, "tool": step.tool, "args": step.args}, then=then)
     tool = tool_get(step.tool)
     if tool is None:
         return services.step_attempt_fail(attempt_id=attempt.pk, code="unknown_tool",
-                                          message=f"tool {step.tool!r} is not registered", retryable=False)
+                                          message=f"tool {step.tool!r} is not registered", retryable=False,
+                                          then=then)
     last = {"at": 0.0, "stop": False}
 
     def should_stop() -> bool:
@@ -159,24 +228,31 @@ def _execute_attempt(ctx, step: Step, attempt) -> services.StepOutcome:
             last["stop"] = status != Run.Status.RUNNING or ctx.should_stop()
         return last["stop"]
 
+    settled: dict = {}
+
+    def on_success(result) -> None:  # in the transaction that records the command's result
+        settled["outcome"] = services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result, then=then)
+
     try:
         with time_limit(tool.timeout_s):
             result = command_execute(project=run.project, kind="invoke_tool",
                                      args={"tool": step.tool, "args": step.args},
                                      idempotency_key=attempt.idempotency_key, should_stop=should_stop,
-                                     attempt=attempt.number)
+                                     attempt=attempt.number, on_success=on_success)
     except JobCancelled:
         return services.step_attempt_abandon(attempt_id=attempt.pk)
     except JobTimeout as exc:
         return services.step_attempt_fail(attempt_id=attempt.pk, code="tool_timeout",
-                                          message=f"{step.tool}: {exc}", retryable=True)
+                                          message=f"{step.tool}: {exc}", retryable=True, then=then)
     except CommandFailed as exc:
         return services.step_attempt_fail(attempt_id=attempt.pk, code=exc.reason, message=exc.detail,
-                                          retryable=exc.retryable)
+                                          retryable=exc.retryable, then=then)
     except (CommandConflict, ValidationFailed) as exc:
         return services.step_attempt_fail(attempt_id=attempt.pk, code=exc.code, message=exc.detail,
-                                          retryable=False)
-    return services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result)
+                                          retryable=False, then=then)
+    if "outcome" in settled:
+        return settled["outcome"]
+    return services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result, then=then)
 
 
 RUN_TICK = register(JobDefinition(

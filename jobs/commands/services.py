@@ -83,7 +83,7 @@ def _locked(project: Project, kind: str, key: str) -> CommandRecord | None:
 def command_execute(*, project: Project, kind: str, args: dict, idempotency_key: str, actor=None,
                     adapter: ExecutionAdapter | None = None,
                     should_stop: Callable[[], bool] | None = None, attempt: int | None = None,
-                    billed: bool = False) -> CommandResult:
+                    billed: bool = False, on_success: Callable[[CommandResult], Any] | None = None) -> CommandResult:
     """Execute command ``kind`` at most once per ``(project, kind, idempotency_key)``.
 
     Raises ``ValidationFailed`` (nothing recorded), ``CommandConflict`` (same key, other
@@ -93,6 +93,9 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
     ``billed``: charge the command's cost to the project's organization before it first runs
     (``InsufficientCredits``: nothing recorded, nothing called); a step's commands are not
     billed here, the run's reservation pays for them.
+    ``on_success`` is called with the result in the transaction that records the success (the
+    caller's own outcome commits with it, or neither does and a replay runs again by key); not
+    called for a replay answered from the record.
     """
     key_errors = idempotency_key_errors(idempotency_key)
     if key_errors:
@@ -119,7 +122,8 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
         if record.status == CommandStatus.SUCCEEDED:  # a concurrent replay finished it meanwhile
             return CommandResult(record, record.result, replayed=True)
         raise CommandFailed(message, reason=code, retryable=retryable, command_id=record.pk) from exc
-    record = _command_succeed(record_id=record.pk, organization_id=project.organization_id, result=_jsonable(result))
+    record = _command_succeed(record_id=record.pk, organization_id=project.organization_id, result=_jsonable(result),
+                              on_success=on_success)
     return CommandResult(record, record.result, replayed=False)
 
 
@@ -189,10 +193,13 @@ def _command_record(*, project: Project, kind: str, key: str, args: dict, digest
         return record, True
 
 
-def _command_succeed(*, record_id: int, organization_id: int, result: Any) -> CommandRecord:
+def _command_succeed(*, record_id: int, organization_id: int, result: Any,
+                     on_success: Callable[[CommandResult], Any] | None = None) -> CommandRecord:
     with transaction.atomic(durable=True):
         record = CommandRecord.objects.select_for_update().get(pk=record_id)
         if record.status == CommandStatus.SUCCEEDED:
+            if on_success is not None:
+                on_success(CommandResult(record, record.result, replayed=True))
             return record  # a concurrent replay stored its result first; the first result stands
         before = record.status
         record.status = CommandStatus.SUCCEEDED
@@ -204,6 +211,8 @@ def _command_succeed(*, record_id: int, organization_id: int, result: Any) -> Co
         _emit(record, COMMAND_SUCCEEDED, organization_id)
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status})
+        if on_success is not None:
+            on_success(CommandResult(record, record.result, replayed=False))
         return record
 
 

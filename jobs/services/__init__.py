@@ -12,7 +12,8 @@ By concern:
 - ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe.
 - ``claim``: ``job_claim``, ``jobs_eligible``, ``jobs_claim_order`` (the claim SQL is built once
   per process), lanes and concurrency slots.
-- ``outcomes``: ``job_progress``, ``job_complete``, ``job_fail_attempt`` (the retry decision), ``job_fail``.
+- ``outcomes``: ``job_progress``, ``job_complete``, ``job_fail_attempt`` (the retry decision), ``job_fail``,
+  ``job_retarget`` (an executing attempt moves on to new work).
 - ``cancellation``: ``job_cancel``, ``job_mark_cancelled``, ``job_cancel_requested``,
   ``jobs_enforce_interrupt_timeouts``.
 - ``recovery``: ``job_requeue``, ``job_renew_lease``, ``jobs_recover_expired``, ``jobs_enforce_deadlines``.
@@ -27,7 +28,7 @@ from jobs.services.cancellation import (
 from jobs.services.claim import job_claim, jobs_claim_order, jobs_eligible, organization_max_executing
 from jobs.services.common import job_as_dict, job_transition
 from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
-from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress
+from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress, job_retarget
 from jobs.services.recovery import job_renew_lease, job_requeue, jobs_enforce_deadlines, jobs_recover_expired
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "job_progress",
     "job_renew_lease",
     "job_requeue",
+    "job_retarget",
     "job_transition",
     "jobs_claim_order",
     "jobs_eligible",

@@ -6,7 +6,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.services import audit_record, row_lock
@@ -92,3 +92,27 @@ def job_fail(*, job_id: int, reason: str, error: str, actor=None, audit_reason: 
         if definition is not None:
             _after_commit_hook(definition, "on_failed", job)
         return job
+
+
+def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, payload: dict) -> bool:
+    """Point the executing attempt of a job at new work, in the caller's transaction: its payload
+    and dedupe key become those of ``payload`` (a recovered attempt then resumes that work).
+
+    False, and nothing written, when the attempt is no longer current or an active job of the
+    same type already holds the new dedupe key (that job does the work). Only the unique dedupe
+    key can conflict: that one statement runs under a savepoint.
+    """
+    definition = definition_get(job_type)
+    if definition is None:
+        return False
+    payload = definition.validated(payload)
+    key = definition.dedupe.key(payload, project_id) if definition.dedupe.mode != "none" else None
+    current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
+    try:
+        with transaction.atomic():
+            updated = current.update(payload=payload, dedupe_key=key or "",
+                                     active_dedupe_key=f"{definition.type}:{key}" if key else None,
+                                     updated_at=timezone.now())
+    except IntegrityError:
+        return False
+    return updated == 1

@@ -59,6 +59,7 @@ from runs.services.steps import (  # noqa: F401
     step_attempt_succeed,
     step_backoff_ms,
     step_begin,
+    step_begin_locked,
 )
 from runs.services.approvals import approval_grant  # noqa: F401
 from runs.services.drift import (  # noqa: F401

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from django.db import transaction
 from django.utils import timezone
@@ -148,6 +148,12 @@ def step_begin(*, step_id: int) -> StepAttempt:
     if step.pk not in {s.pk for s in runnable_steps(run)}:
         raise InvalidTransition(entity="step", entity_id=step.pk, current=step.status, requested="begin",
                                 why="not runnable now (order, dependencies, limits or backoff)")
+    return step_begin_locked(run, step)
+
+
+def step_begin_locked(run: Run, step: Step) -> StepAttempt:
+    """``step_begin`` for a step the caller found runnable (``runnable_steps``) under the run's lock,
+    in the caller's transaction (the engine begins the next step where it settled the last)."""
     task, agent = step.task, step.task.agent
     if agent.status == NodeStatus.PENDING:
         _node_move(agent, "begin", run=run)
@@ -214,8 +220,19 @@ def _step_cost(step: Step, run: Run) -> int:
     return tool.cost if tool else 0
 
 
+# ``then``: called with the run (still locked) and the outcome in the transaction that settled the
+# attempt, whatever the outcome (the engine schedules the run's next steps there).
+SettledHook = Callable[[Run, "StepOutcome"], None]
+
+
+def _then(run: Run, outcome: StepOutcome, then: SettledHook | None) -> StepOutcome:
+    if then is not None:
+        then(run, outcome)
+    return outcome
+
+
 @transaction.atomic
-def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
+def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None) -> StepOutcome:
     """Record a successful attempt: charge its cost, complete the step, propagate upwards.
 
     A late result (run cancelled or failed, step retried meanwhile) is discarded. A cost past
@@ -223,7 +240,11 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
     """
     run, attempt, step, early = _attempt_to_settle(attempt_id)
     if early is not None:
-        return early
+        return _then(run, early, then)
+    return _then(run, _succeeded(run, attempt, step, output), then)
+
+
+def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepOutcome:
     run_attempt = run_current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
@@ -247,15 +268,16 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None) -> StepOutcome:
 
 
 @transaction.atomic
-def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bool) -> StepOutcome:
+def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bool,
+                      then: SettledHook | None = None) -> StepOutcome:
     """Record a failed attempt (its cost is charged). Retryable with tries left → the step waits
     out seed 001's backoff; otherwise the step fails and the failure propagates by failure mode.
     """
     run, attempt, step, early = _attempt_to_settle(attempt_id)
     if early is not None:
-        return early
-    return _attempt_failed(run, attempt, step, code=code or "error", message=message or code, retryable=retryable,
-                           charge=True)
+        return _then(run, early, then)
+    return _then(run, _attempt_failed(run, attempt, step, code=code or "error", message=message or code,
+                                      retryable=retryable, charge=True), then)
 
 
 @transaction.atomic

@@ -117,3 +117,64 @@ def test_a_stopped_worker_fails_its_run_with_heartbeat_timeout(project, tmp_path
     assert run.last_error_code == "heartbeat_timeout"
     assert run.credits_charged + run.credits_refunded == run.credits_reserved
     assert invariants_check() == []
+
+
+@pytest.mark.postgres
+def test_a_worker_killed_after_settling_a_step_and_beginning_the_next_leaves_each_step_charged_once(project, tmp_path):
+    """The job that settled ``ship`` went on with ``hold`` (same job, pointed at it); SIGKILL then:
+    the recovered job resumes ``hold``'s attempt by its key, the run completes, one charge per step."""
+    from billing.models import LedgerEntry
+    from jobs.models import Job
+    from runs.models import Step
+
+    import http.server
+    import threading
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(1.5)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args):
+            pass
+
+    slow = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    port = slow.server_address[1]
+    plan = {"agents": [{"name": "a", "tasks": [{"name": "t", "steps": [
+        {"name": "ship", "tool": "deploy", "args": {"name": "svc-chain"}},
+        {"name": "hold", "tool": "http_request", "args": {"url": f"http://127.0.0.1:{port}/hold", "timeout": 10}},
+        {"name": "ship2", "tool": "deploy", "args": {"name": "svc-chain-2"}},
+    ]}]}]}
+    with Cluster(tmp_path / "qcluster.log", ORCHESTRATOR_Q_NAME="chain", ORCHESTRATOR_Q_WORKERS=2,
+                 ORCHESTRATOR_HTTP_ALLOWED_HOSTS=f"127.0.0.1:{port}"):
+        run = start(project, plan, credit_limit=60)
+        hold = wait_for(lambda: Step.objects.filter(run=run, name="hold").first(), timeout=60, interval=0.02,
+                        message="the run's steps")
+        first = wait_for(lambda: Job.objects.filter(run_id=run.pk, type="run_step", state="executing",
+                                                    payload__step=hold.pk).first(),
+                         timeout=60, interval=0.02, message="a run_step job on hold")
+        assert Step.objects.get(run=run, name="ship").status == "completed"
+        assert Job.objects.filter(run_id=run.pk, type="run_step").count() == 1  # no new job for hold
+        beat = wait_for(lambda: WorkerHeartbeat.objects.filter(current_job_id=first.pk).first(), timeout=10,
+                        interval=0.02, message="the worker of that job")
+        os.kill(int(beat.worker.rsplit(":", 1)[1]), signal.SIGKILL)
+        WorkerHeartbeat.objects.filter(pk=beat.pk).delete()
+        wait_for(lambda: settled([run.pk]), timeout=90, interval=0.2, message="run settled")
+    run.refresh_from_db()
+    first.refresh_from_db()
+    assert run.status == Run.Status.COMPLETED, (tmp_path / "qcluster.log").read_text()[-2000:]
+    assert first.attempts >= 2  # the killed attempt was recovered and executed again
+    assert StepAttempt.objects.filter(run=run).count() == 3  # hold's interrupted attempt resumed, not retried
+    charges = LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE)
+    assert charges.count() == 3
+    assert sorted(charges.values_list("idempotency_key", flat=True)) == sorted(
+        StepAttempt.objects.filter(run=run).values_list("idempotency_key", flat=True))
+    for attempt in StepAttempt.objects.filter(run=run, step__tool="deploy"):
+        assert Deployment.objects.filter(idempotency_key=attempt.idempotency_key).count() == 1
+        assert AdapterCall.objects.filter(idempotency_key=attempt.idempotency_key, outcome="created").count() == 1
+    assert run.credits_charged + run.credits_refunded == run.credits_reserved
+    assert invariants_check() == []
+    slow.shutdown()
