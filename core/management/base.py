@@ -146,17 +146,28 @@ class RunbookActionCommand(RunbookCommand):
     runbook: Runbook
 
     def add_arguments(self, parser):
-        runbook = self.runbook
-        if runbook.targets is None:
-            parser.add_argument("ids", nargs="+" if runbook.many else None, type=positive_id,
-                                metavar=runbook.noun.upper(), help=f"{runbook.noun} id{'s' if runbook.many else ''}")
-        if runbook.arguments is not None:
-            runbook.arguments(parser)
+        self.add_target_arguments(parser)
+        if self.runbook.arguments is not None:
+            self.runbook.arguments(parser)
         parser.add_argument("--reason", required=True, help="why: recorded in the audit trail")
         parser.add_argument("--dry-run", action="store_true", help="show what would happen; change nothing")
         parser.add_argument("--as", dest="as_user", metavar="USERNAME",
                             help="the user recorded as the actor (default: the shell user, by name)")
         parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    def add_target_arguments(self, parser) -> None:
+        """The objects: ids, or ``--filter`` (the admin changelist's query string), unless the runbook selects them."""
+        runbook = self.runbook
+        if runbook.targets is not None:
+            return
+        if not runbook.many:
+            parser.add_argument("ids", type=positive_id, metavar=runbook.noun.upper(), help=f"{runbook.noun} id")
+            return
+        parser.add_argument("ids", nargs="*", type=positive_id, metavar=runbook.noun.upper(),
+                            help=f"{runbook.noun} ids (or --filter)")
+        parser.add_argument("--filter", dest="query", metavar="QUERY",
+                            help="every object the admin's list shows with this query string (e.g. "
+                                 "'status=failed&project__id__exact=3'; list filters and q= searches included)")
 
     @property
     def noun(self) -> str:
