@@ -192,3 +192,45 @@ def test_the_admin_pauses_a_project_by_action_and_a_job_type_by_its_page_and_the
                                                                 "reason": ""})
     assert "A reason is required." in response.content.decode()
     assert QueuePause.objects.filter(job_type="probe").exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_claims_on_postgres_never_take_a_paused_queues_jobs(org_factory, settings):
+    """Six threads, each with its own connection, claim at once until nothing is left: every job of
+    the other project is claimed exactly once, none of the paused project's; resumed, they follow."""
+    import threading
+
+    from django.db import connection
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 6
+    _, paused_project, owner = org_factory()
+    _, served_project, _ = org_factory()
+    held = _enqueue(paused_project, 10)
+    queue_pause(project_id=paused_project.pk, actor=owner, reason="concurrency check")
+    served = _enqueue(served_project, 30)
+    claimed: list[int] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def claim(index: int) -> None:
+        try:
+            while (job := job_claim(worker=f"w{index}")) is not None:
+                with lock:
+                    claimed.append(job.pk)
+                job_complete(job_id=job.pk, attempt=job.attempts)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=claim, args=(i,), daemon=True) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert sorted(claimed) == sorted(served)
+    assert set(Job.objects.filter(pk__in=held).values_list("state", flat=True)) == {JobState.QUEUED}
+    queue_resume(project_id=paused_project.pk, actor=owner, reason="done")
+    assert _drain() == held
