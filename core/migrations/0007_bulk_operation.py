@@ -3,25 +3,9 @@
 import django.core.serializers.json
 import django.db.models.deletion
 from django.conf import settings
-from django.contrib.auth.management import create_permissions
 from django.db import migrations, models
 
-
-def operators_view_bulk_operations(apps, schema_editor):
-    """The Operators group views every model of our apps: the bulk operations too (when the group
-    exists already; a group made later by runs/0003 takes every view permission itself)."""
-    alias = schema_editor.connection.alias
-    app_config = apps.get_app_config("core")
-    models_module = getattr(app_config, "models_module", None)
-    app_config.models_module = True  # historical app configs have none; create_permissions skips those
-    try:
-        create_permissions(app_config, verbosity=0, apps=apps, using=alias)
-    finally:
-        app_config.models_module = models_module
-    group = apps.get_model("auth", "Group").objects.using(alias).filter(name="Operators").first()
-    if group is not None:
-        group.permissions.add(*apps.get_model("auth", "Permission").objects.using(alias).filter(
-            content_type__app_label="core", codename="view_bulkoperation"))
+from core.migration_operations import operators_view_grant
 
 
 class Migration(migrations.Migration):
@@ -59,5 +43,5 @@ class Migration(migrations.Migration):
                 'ordering': ['-id'],
             },
         ),
-        migrations.RunPython(operators_view_bulk_operations, migrations.RunPython.noop),
+        operators_view_grant("core", "bulkoperation"),
     ]

@@ -2,25 +2,9 @@
 
 import django.db.models.deletion
 from django.conf import settings
-from django.contrib.auth.management import create_permissions
 from django.db import migrations, models
 
-
-def operators_view_queue_pauses(apps, schema_editor):
-    """The Operators group views every model of our apps: the queue pauses too (when the group exists
-    already; a group made later by runs/0003 takes every view permission itself)."""
-    alias = schema_editor.connection.alias
-    app_config = apps.get_app_config("jobs")
-    models_module = getattr(app_config, "models_module", None)
-    app_config.models_module = True  # historical app configs have none; create_permissions skips those
-    try:
-        create_permissions(app_config, verbosity=0, apps=apps, using=alias)
-    finally:
-        app_config.models_module = models_module
-    group = apps.get_model("auth", "Group").objects.using(alias).filter(name="Operators").first()
-    if group is not None:
-        group.permissions.add(*apps.get_model("auth", "Permission").objects.using(alias).filter(
-            content_type__app_label="jobs", codename="view_queuepause"))
+from core.migration_operations import operators_view_grant
 
 
 class Migration(migrations.Migration):
@@ -48,5 +32,5 @@ class Migration(migrations.Migration):
                 'constraints': [models.UniqueConstraint(condition=models.Q(('project__isnull', False)), fields=('project',), name='queue_pause_one_per_project'), models.UniqueConstraint(condition=models.Q(('job_type', ''), _negated=True), fields=('job_type',), name='queue_pause_one_per_job_type'), models.CheckConstraint(condition=models.Q(models.Q(('project__isnull', False), ('job_type', '')), models.Q(('project__isnull', True), models.Q(('job_type', ''), _negated=True)), _connector='OR'), name='queue_pause_project_or_job_type')],
             },
         ),
-        migrations.RunPython(operators_view_queue_pauses, migrations.RunPython.noop),
+        operators_view_grant("jobs", "queuepause"),
     ]
