@@ -5,7 +5,7 @@ import django.db.models.deletion
 from django.conf import settings
 from django.db import migrations, models
 
-from core.migration_operations import operators_view_grant
+from core.migrations._operations import operators_view_grant
 
 
 class Migration(migrations.Migration):

@@ -1,4 +1,4 @@
-"""Operations our migrations share (importable by any app's migrations: they use historical models only)."""
+"""Operations our migrations share (a leading underscore: not a migration itself; historical models only)."""
 
 from __future__ import annotations
 
