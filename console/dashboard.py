@@ -28,7 +28,7 @@ from billing.models import CreditAccount
 from core.models import Event
 from jobs.events import JOB_COMPLETED, JOB_FAILED
 from jobs.models import WAITING_JOB_STATES, Job, JobState
-from jobs.selectors import queue_overview
+from jobs.selectors import queue_overview, queue_pause_list
 from runs.events import run_event
 from runs.models import LIVE_RUN_STATES, OPEN_ESCALATION_STATES, EscalationTicket, Run
 from runs.selectors import run_stuck_q
@@ -66,6 +66,10 @@ def _queue(now, limit: int) -> dict[str, Any]:
     for row in queue["executing_jobs"]:
         row["url"] = _change("jobs_job", row["id"])
         row["run_url"] = _change("runs_run", row["run"]) if row["run"] else None
+    queue["paused"] = queue_pause_list()
+    for row in queue["paused"]:
+        row["url"] = _changelist("jobs_job", state__in=WAITING_STATES_PARAM, **(
+            {"project__id__exact": row["project"]} if row["project"] else {"type__exact": row["job_type"]}))
     return queue
 
 

@@ -28,12 +28,15 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 
+from core.bulk import bulk_operation_launch, bulk_operation_start
+from core.errors import DomainError
 from core.runbooks import (
     DONE,
     REFUSED,
     SKIPPED,
     Runbook,
     RunbookForm,
+    describe_error,
     runbook_execute,
     runbook_plan,
     runbooks_for,
@@ -89,8 +92,11 @@ class RunbookAdminMixin:
         """The body of every runbook action: confirm, then apply and report."""
         objects = list(queryset.order_by("pk")[:RUNBOOK_MAX_OBJECTS + 1])
         if len(objects) > RUNBOOK_MAX_OBJECTS:
-            self.message_user(request, f"{runbook.title}: select at most {RUNBOOK_MAX_OBJECTS} objects here; "
-                                       "use the management command for more. Nothing was changed.", messages.ERROR)
+            if request.POST.get("select_across") == "1":
+                return self.runbook_bulk_respond(request, queryset, runbook)
+            self.message_user(request, f"{runbook.title}: select at most {RUNBOOK_MAX_OBJECTS} objects here, or "
+                                       "\"select all\" to run it over the whole filter as a bulk operation. "
+                                       "Nothing was changed.", messages.ERROR)
             return None
         form_class = runbook.form
         if request.method == "POST" and request.POST.get(CONFIRM_FIELD) == runbook.name:
@@ -102,6 +108,32 @@ class RunbookAdminMixin:
         else:
             form = form_class(initial=self.runbook_initial(runbook, objects))
         return self.runbook_confirm_page(request, runbook, objects, form)
+
+    def runbook_bulk_respond(self, request, queryset, runbook: Runbook):
+        """"Select all" beyond the page cap: confirm, then record a bulk operation over the list's
+        filter (its query string) and process it in the background; its page shows the progress."""
+        query = request.GET.urlencode()
+        if request.method == "POST" and request.POST.get(CONFIRM_FIELD) == runbook.name:
+            form = runbook.form(request.POST)
+            if form.is_valid():
+                try:
+                    operation = bulk_operation_start(runbook=runbook, query=query, actor=request.user,
+                                                     reason=form.cleaned_data["reason"],
+                                                     options=form.runbook_options(), queryset=queryset)
+                except DomainError as exc:
+                    self.message_user(request, f"{runbook.title}: {describe_error(exc)}", messages.ERROR)
+                    return None
+                bulk_operation_launch(operation)
+                self.message_user(request, f"{runbook.title}: bulk operation {operation.pk} over "
+                                           f"{operation.total} objects started.", messages.SUCCESS)
+                return HttpResponseRedirect(reverse("admin:core_bulkoperation_change", args=[operation.pk]))
+        else:
+            form = runbook.form(initial=self.runbook_initial(runbook, list(queryset.order_by("pk")[:1])))
+        sample = list(queryset.order_by("pk")[:REPORT_PER_OBJECT])
+        response = self.runbook_confirm_page(request, runbook, sample, form)
+        response.context_data.update({"bulk_total": queryset.count(), "bulk_query": query,
+                                      "title": f"{runbook.title} over the whole filter: are you sure?"})
+        return response
 
     def runbook_initial(self, runbook: Runbook, objects: list) -> dict:
         """Initial values of the confirmation form's extra fields (the runbook's ``initial``)."""

@@ -11,10 +11,11 @@ events socket (``core.asyncapi``).
 
 from __future__ import annotations
 
-from core.asyncapi import STRING, EventMessage
+from core.asyncapi import ID, INTEGER, STRING, EventMessage
 
 ORGANIZATION_CREATED = "organization_created"
 PROJECT_CREATED = "project_created"
+BULK_OPERATION_PROGRESS = "bulk_operation_progress"  # a batch done, or the operation finished or aborted
 
 
 # --- payload schemas -----------------------------------------------------------------------------
@@ -22,4 +23,10 @@ PROJECT_CREATED = "project_created"
 EVENT_MESSAGES = [
     EventMessage(types=("project_created",), summary="A project was created in an organization",
                  properties={"name": STRING}, required=("name",)),
+    EventMessage(types=(BULK_OPERATION_PROGRESS,),
+                 summary="A bulk runbook operation processed a batch, finished or was aborted (staff only)",
+                 properties={"operationId": ID, "runbook": STRING, "status": {"enum": ["running", "finished",
+                                                                                        "aborted"]},
+                             "total": INTEGER, "done": INTEGER, "skipped": INTEGER, "refused": INTEGER},
+                 required=("operationId", "runbook", "status", "total", "done", "skipped", "refused")),
 ]

@@ -5,6 +5,7 @@ below every domain app.
 """
 
 from django.conf import settings
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 
 
@@ -214,3 +215,49 @@ class RateLimitCounter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} @ {self.window_start:%H:%M:%S}: {self.count}"
+
+
+class BulkOperation(models.Model):
+    """A runbook applied to every object an admin filter selects (``core.bulk``), tracked.
+
+    The objects are those the changelist shows for ``query`` (its query string) whose primary key
+    is at most ``last_pk`` (the largest when the operation started), taken in id order, a batch at
+    a time; ``cursor`` is the last id processed, so a redelivered processing job goes on where it
+    stopped. Each object goes through the runbook's service, which writes its audit record.
+    """
+
+    class Status(models.TextChoices):
+        RUNNING = "running", "Running"
+        FINISHED = "finished", "Finished"
+        ABORTED = "aborted", "Aborted"
+
+    id = models.BigAutoField(primary_key=True)
+    runbook = models.CharField(max_length=200, help_text="the runbook's label: app_label.model.name")
+    query = models.TextField(blank=True, default="", help_text="the admin changelist's query string")
+    options = models.JSONField(default=dict, blank=True, encoder=DjangoJSONEncoder)
+    reason = models.TextField()
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    actor_label = models.CharField(max_length=150)
+    total = models.PositiveIntegerField(default=0)
+    done = models.PositiveIntegerField(default=0)
+    skipped = models.PositiveIntegerField(default=0)
+    refused = models.PositiveIntegerField(default=0)
+    refusals = models.JSONField(default=list, blank=True, help_text="the first refusals: [{id, detail}]")
+    cursor = models.BigIntegerField(default=0, help_text="the last id processed")
+    last_pk = models.BigIntegerField(default=0, help_text="the largest id selected when it started")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.RUNNING)
+    abort_requested_by = models.CharField(max_length=150, blank=True, default="")
+    started_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"bulk operation {self.pk}: {self.runbook} ({self.status})"
+
+    @property
+    def processed(self) -> int:
+        return self.done + self.skipped + self.refused

@@ -4,16 +4,23 @@ are requeued, failed or cancelled by the runbook actions ``jobs.runbooks`` regis
 
 from datetime import timedelta
 
+from django import forms
 from django.conf import settings
-from django.contrib import admin
-from django.db.models import Q
+from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponseRedirect
+from django.template.response import TemplateResponse
+from django.urls import path
+from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
-from core.admin import ReadOnlyAdmin
+from core.admin import ProjectAdmin, ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, recent_filter, top_values_filter
 from core.admin_scale import ScaledListMixin
+from core.errors import DomainError
+from core.runbooks import RunbookForm, describe_error
 from jobs.models import (
     NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
@@ -25,11 +32,15 @@ from jobs.models import (
     JobState,
     MaintenanceMark,
     Order,
+    QueuePause,
     WorkerHeartbeat,
     WorkerSession,
 )
 from core.models import Project
+from jobs.registry import definition_types
+from jobs.runbooks import QUEUE_PAUSE
 from jobs.selectors import jobs_wait_explain, run_jobs_not_started
+from jobs.services import queue_pause, queue_resume
 
 RUN_WAITING_JOBS_LIMIT = 5
 
@@ -257,3 +268,65 @@ class WorkerHeartbeatAdmin(ReadOnlyAdmin):
     @admin.display(description="seen", ordering="last_seen")
     def seen_ago(self, heartbeat):
         return f"{int((timezone.now() - heartbeat.last_seen).total_seconds())} s ago"
+
+
+# --- paused queues ------------------------------------------------------------------------------
+
+class ProjectQueueAdmin(RunbookAdminMixin, ProjectAdmin):
+    """Projects with their queue's runbooks: pause and resume (``jobs.runbooks``)."""
+
+    list_display = (*ProjectAdmin.list_display, "queue")
+
+    def get_queryset(self, request):
+        pauses = QueuePause.objects.filter(project_id=OuterRef("pk"))
+        return super().get_queryset(request).annotate(paused_by=Subquery(pauses.values("actor_label")[:1]),
+                                                      paused_why=Subquery(pauses.values("reason")[:1]))
+
+    @admin.display(description="queue")
+    def queue(self, obj):
+        return f"paused by {obj.paused_by}: {obj.paused_why}" if obj.paused_by else "claimed"
+
+
+if admin.site.is_registered(Project):
+    admin.site.unregister(Project)
+admin.site.register(Project, ProjectQueueAdmin)
+
+
+class JobTypeQueueForm(RunbookForm):
+    job_type = forms.ChoiceField(choices=())
+    change = forms.ChoiceField(choices=[("pause", "Pause"), ("resume", "Resume")])
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["job_type"].choices = [(name, name) for name in definition_types()]
+
+
+@admin.register(QueuePause)
+class QueuePauseAdmin(ReadOnlyAdmin):
+    """Paused queues; "Pause or resume a job type" is a small page of its own (projects have actions)."""
+
+    list_display = ("id", "queue", "actor_label", "reason", "since")
+    list_select_related = ("project",)
+    change_list_template = "admin/jobs/queuepause/change_list.html"
+
+    def get_urls(self):
+        return [path("job-type/", self.admin_site.admin_view(self.job_type_view), name="jobs_queuepause_job_type"),
+                *super().get_urls()]
+
+    def job_type_view(self, request):
+        if not request.user.has_perm(QUEUE_PAUSE.permission):
+            raise PermissionDenied
+        form = JobTypeQueueForm(request.POST or None)
+        if request.method == "POST" and form.is_valid():
+            service = queue_pause if form.cleaned_data["change"] == "pause" else queue_resume
+            try:
+                service(job_type=form.cleaned_data["job_type"], actor=request.user, reason=form.cleaned_data["reason"])
+            except DomainError as exc:
+                self.message_user(request, describe_error(exc), messages.ERROR)
+            else:
+                self.message_user(request, f"Job type {form.cleaned_data['job_type']}: queue "
+                                           f"{form.cleaned_data['change']}d.", messages.SUCCESS)
+                return HttpResponseRedirect(reverse("admin:jobs_queuepause_changelist"))
+        context = {**self.admin_site.each_context(request), "title": "Pause or resume a job type's queue",
+                   "opts": self.model._meta, "form": form}
+        return TemplateResponse(request, "admin/jobs/queuepause/job_type.html", context)

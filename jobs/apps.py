@@ -36,6 +36,11 @@ class JobsConfig(AppConfig):
             COLLECTORS.append(jobs_collect)
 
         runbooks.runbooks_register()
+
+        from core.bulk import bulk_launcher_register
+        from jobs.tasks import bulk_runbook_send
+
+        bulk_launcher_register(bulk_runbook_send)  # bulk runbook operations run as the bulk_runbook task
         from jobs.worker import ensure_started
 
         def start_heartbeat(sender, proc_name, **kwargs):

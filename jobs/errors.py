@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.errors import DomainError, InvalidTransition
+from core.errors import Conflict, DomainError, InvalidTransition
 
 
 class JobConflict(InvalidTransition):
@@ -50,3 +50,9 @@ class CommandFailed(DomainError):
         self.retryable = retryable  # read by jobs.registry.classify_default
         if retryable:
             self.status = 503
+
+
+class QueuePauseConflict(Conflict):
+    """Pausing a queue that is paused already, or resuming one that is not paused."""
+
+    code = "queue_pause_conflict"

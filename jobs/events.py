@@ -42,6 +42,9 @@ def worker_session_event(status: str) -> str:
     return f"worker_session_{status}"
 
 
+QUEUE_PAUSED = "queue_paused"
+QUEUE_RESUMED = "queue_resumed"
+
 COMMAND_RECORDED = "command_recorded"
 COMMAND_SUCCEEDED = "command_succeeded"
 COMMAND_FAILED = "command_failed"
@@ -90,6 +93,10 @@ SESSION_PROPERTIES = {
     "generation": INTEGER, "status": {"enum": list(WorkerSessionStatus.values)}, "reprovisionCount": INTEGER,
 }
 SESSION_REQUIRED = tuple(SESSION_PROPERTIES)
+QUEUE_PAUSE_PROPERTIES = {
+    "projectId": nullable(ID), "jobType": {**STRING, "description": "a paused job type, or empty for a project"},
+    "actor": STRING, "reason": STRING, "since": nullable(TIMESTAMP),
+}
 
 EVENT_MESSAGES = [
     *(_job_message(name, JOB_SUMMARIES[state], CANCEL_REASON if state == JobState.CANCELLED else None)
@@ -125,4 +132,9 @@ EVENT_MESSAGES = [
     EventMessage(types=("worker_session_bootstrapped",), summary="A worker session ran a bootstrap",
                  properties={**SESSION_PROPERTIES, "bootstrapKey": STRING},
                  required=(*SESSION_REQUIRED, "bootstrapKey")),
+    EventMessage(types=(QUEUE_PAUSED,), summary="A queue (a project's jobs, or a job type) was paused: its jobs "
+                                                "stay queued and are not claimed",
+                 properties=QUEUE_PAUSE_PROPERTIES, required=tuple(QUEUE_PAUSE_PROPERTIES), family="queue_<change>"),
+    EventMessage(types=(QUEUE_RESUMED,), summary="A paused queue was resumed: its jobs are claimed again, in order",
+                 properties=QUEUE_PAUSE_PROPERTIES, required=tuple(QUEUE_PAUSE_PROPERTIES), family="queue_<change>"),
 ]

@@ -7,6 +7,7 @@ self-transitions allowed, terminal states immutable, every other move an explici
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db import models
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
@@ -406,3 +407,41 @@ class WorkerSession(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} (gen {self.generation}, {self.status})"
+
+
+class QueuePause(models.Model):
+    """A paused queue: a project's jobs, or every job of one type (exactly one of the two).
+
+    While the row exists the claim passes the queue's jobs over (they keep waiting, in order;
+    enqueueing goes on) and its runs wait; deleting it (``queue_resume``) lets them be claimed
+    again. One pause per project and per job type.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    project = models.ForeignKey(Project, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    job_type = models.CharField(max_length=100, blank=True, default="")
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="+")
+    actor_label = models.CharField(max_length=150)
+    reason = models.TextField()
+    since = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["since", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["project"], condition=models.Q(project__isnull=False),
+                                    name="queue_pause_one_per_project"),
+            models.UniqueConstraint(fields=["job_type"], condition=~models.Q(job_type=""),
+                                    name="queue_pause_one_per_job_type"),
+            models.CheckConstraint(condition=(models.Q(project__isnull=False) & models.Q(job_type=""))
+                                   | (models.Q(project__isnull=True) & ~models.Q(job_type="")),
+                                   name="queue_pause_project_or_job_type"),
+        ]
+        # pause_queue is declared by the queue runbooks (jobs.runbooks)
+
+    def __str__(self) -> str:
+        return f"{self.queue} paused by {self.actor_label}"
+
+    @property
+    def queue(self) -> str:
+        return f"project {self.project_id}" if self.project_id else f"job type {self.job_type}"

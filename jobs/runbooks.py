@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from functools import partial
 
+from django.core.management.base import CommandError
 from django.utils import timezone
 
-from core.runbooks import Plan, Runbook, by_id, runbook_register, transition
+from core.errors import ValidationFailed
+from core.management.base import positive_id, runbook_command
+from core.models import Project
+from core.runbooks import Plan, Runbook, Skip, by_id, runbook_register, transition
 from core.services import actor_label
 from jobs import services
-from jobs.models import TERMINAL_JOB_STATES, WAITING_JOB_STATES, Job, JobReason, JobState
+from jobs.errors import QueuePauseConflict
+from jobs.models import TERMINAL_JOB_STATES, WAITING_JOB_STATES, Job, JobReason, JobState, QueuePause
+from jobs.registry import definition_get
 
 
 def _age(job: Job) -> str:
@@ -90,7 +96,112 @@ JOB_CANCEL = JobRunbook(
     plan=_cancel_plan, perform=_cancel, command="cancel_job",
     description="Cancel jobs: waiting ones at once, executing ones cooperatively (the worker stops them).")
 
-RUNBOOKS = (JOB_REQUEUE, JOB_FAIL, JOB_CANCEL)
+# --- pausing and resuming a queue ---------------------------------------------------------------
+
+class JobTypeQueue:
+    """The queue of every job of one type: a runbook target beside a project (``pause_queue --job-type``)."""
+
+    project_id = None
+
+    def __init__(self, job_type: str) -> None:
+        if definition_get(job_type) is None:
+            raise ValidationFailed("unknown job type", errors={"job_type": [f"{job_type!r} is not a registered "
+                                                                            "job type"]})
+        self.pk = self.job_type = job_type
+
+    def __str__(self) -> str:
+        return f"job type {self.job_type}"
+
+
+def _queue_of(target) -> dict:
+    if isinstance(target, JobTypeQueue):
+        return {"job_type": target.job_type}
+    return {"project_id": target.pk}
+
+
+def _pause_of(target) -> QueuePause | None:
+    if isinstance(target, JobTypeQueue):
+        return QueuePause.objects.filter(job_type=target.job_type).first()
+    return QueuePause.objects.filter(project_id=target.pk).first()
+
+
+def _waiting(target) -> str:
+    jobs = Job.objects.filter(state__in=list(WAITING_JOB_STATES), **(
+        {"type": target.job_type} if isinstance(target, JobTypeQueue) else {"project_id": target.pk}))
+    return f"{jobs.count()} jobs waiting"
+
+
+def _paused_since(pause: QueuePause) -> str:
+    return f"paused by {pause.actor_label} since {pause.since:%Y-%m-%d %H:%M:%S} ({pause.reason})"
+
+
+def _pause_plan(target, options: dict) -> Plan:
+    pause = _pause_of(target)
+    current = _paused_since(pause) if pause else f"claimed ({_waiting(target)})"
+    return Plan(current=current, change="queue → paused (its jobs stay queued, nothing is claimed)",
+                credits="no credits move", skip="already " + _paused_since(pause) if pause else "")
+
+
+def _resume_plan(target, options: dict) -> Plan:
+    pause = _pause_of(target)
+    return Plan(current=_paused_since(pause) if pause else "not paused",
+                change=f"queue → claimed again in order ({_waiting(target)})", credits="no credits move",
+                skip="" if pause else "not paused")
+
+
+def _queue_change(service, done: str):
+    def perform(target, *, actor, reason: str, options: dict) -> str:
+        try:
+            service(**_queue_of(target), actor=actor, reason=reason)
+        except QueuePauseConflict as exc:
+            raise Skip(exc.detail) from None
+        return done
+
+    return perform
+
+
+QueueRunbook = partial(Runbook, model=Project, noun="project", permission="jobs.pause_queue",
+                       permission_label="Can pause and resume a queue", permission_model=QueuePause, button=True)
+
+QUEUE_PAUSE = QueueRunbook(
+    name="pause_queue", title="Pause queue", plan=_pause_plan,
+    perform=_queue_change(services.queue_pause, "queue paused: its jobs stay queued"),
+    action_label="Pause the queues of selected projects…", command="pause_queue",
+    description="Pause a project's queue (or a job type's, --job-type): its jobs stay queued, none is claimed, "
+                "its runs wait; enqueueing goes on.")
+
+QUEUE_RESUME = QueueRunbook(
+    name="resume_queue", title="Resume queue", plan=_resume_plan,
+    perform=_queue_change(services.queue_resume, "queue resumed: its jobs are claimed in order"),
+    action_label="Resume the queues of selected projects…", command="resume_queue",
+    description="Resume a paused queue (a project's, or a job type's with --job-type): its jobs are claimed again, "
+                "in order.")
+
+def queue_command(command: str):
+    """The ``Command`` of a queue runbook: ``--project ID`` or ``--job-type TYPE`` names the queue."""
+    base = runbook_command(command)
+
+    class Command(base):
+        def add_target_arguments(self, parser) -> None:
+            queue = parser.add_mutually_exclusive_group(required=True)
+            queue.add_argument("--project", type=positive_id, metavar="ID", help="the project whose queue it is")
+            queue.add_argument("--job-type", metavar="TYPE", help="the job type whose queue it is (every project's)")
+
+        def targets(self, options, runbook_options: dict) -> list:
+            if options["job_type"] is not None:
+                self.noun = "job type"
+                return [JobTypeQueue(options["job_type"])]
+            project = Project.objects.filter(pk=options["project"]).first()
+            if project is None:
+                raise CommandError(f"project {options['project']} does not exist")
+            return [project]
+
+    Command.noun = "project"
+    Command.__doc__ = base.__doc__
+    return Command
+
+
+RUNBOOKS = (JOB_REQUEUE, JOB_FAIL, JOB_CANCEL, QUEUE_PAUSE, QUEUE_RESUME)
 
 
 def runbooks_register() -> None:

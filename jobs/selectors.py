@@ -23,6 +23,7 @@ from jobs.models import (
     JobReason,
     JobState,
     PriorityClass,
+    QueuePause,
     WorkerHeartbeat,
 )
 from jobs.services import jobs_eligible, organization_max_executing
@@ -179,7 +180,7 @@ def _seconds_until(moment, now) -> float | None:
 
 
 def jobs_wait_explain(jobs: Iterable[Job], *, now=None) -> dict[int, dict[str, Any]]:
-    """``job_wait_explain`` for several jobs: three shared queries, then one per waiting job."""
+    """``job_wait_explain`` for several jobs: four shared queries, then one per waiting job."""
     jobs = list(jobs)
     now = now or timezone.now()
     if not jobs:
@@ -191,16 +192,40 @@ def jobs_wait_explain(jobs: Iterable[Job], *, now=None) -> dict[int, dict[str, A
     streaks = dict(JobLane.objects.filter(key__in=lanes).values_list("key", "interactive_streak")) if lanes else {}
     alive_since = now - timedelta(seconds=worker_alive_window_s())
     workers_alive = WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count()
+    pauses = queue_pauses_of(jobs)
     return {job.pk: _explain(job, now=now, executing=executing, holders=holders, streaks=streaks,
-                             workers_alive=workers_alive) for job in jobs}
+                             workers_alive=workers_alive, pause=pauses.get(job.pk)) for job in jobs}
+
+
+def queue_pause_as_dict(pause: QueuePause) -> dict[str, Any]:
+    return {"queue": pause.queue, "project": pause.project_id, "job_type": pause.job_type or None,
+            "by": pause.actor_label, "reason": pause.reason, "since": pause.since.isoformat()}
+
+
+def queue_pauses_of(jobs: Iterable[Job]) -> dict[int, QueuePause]:
+    """The pause holding each of ``jobs`` (its project's, else its type's), in one query."""
+    jobs = list(jobs)
+    projects = {job.project_id for job in jobs}
+    types = {job.type for job in jobs}
+    rows = list(QueuePause.objects.filter(Q(project_id__in=projects) | Q(job_type__in=types)))
+    by_project = {row.project_id: row for row in rows if row.project_id}
+    by_type = {row.job_type: row for row in rows if row.job_type}
+    found = {job.pk: by_project.get(job.project_id) or by_type.get(job.type) for job in jobs}
+    return {pk: pause for pk, pause in found.items() if pause is not None}
+
+
+def queue_pause_list() -> list[dict[str, Any]]:
+    """Every paused queue, the oldest pause first, with who paused it, why and since when."""
+    return [queue_pause_as_dict(pause) for pause in QueuePause.objects.order_by("since", "id")]
 
 
 def job_wait_explain(job: Job, *, now=None) -> dict[str, Any]:
-    """Why ``job`` is not executing yet, from the queue's own rules (in at most four queries).
+    """Why ``job`` is not executing yet, from the queue's own rules (in at most five queries).
 
     Returns ``waiting`` (whether it is in a waiting state at all), ``summary`` (one sentence),
     ``blockers`` (``[{"code", "detail"}]``, the most decisive first: ``not_queued``,
-    ``awaiting_user_confirmation``, ``no_worker``, ``delayed``, ``lane_held``, ``global_cap``,
+    ``awaiting_user_confirmation``, ``queue_paused`` (``paused`` says by whom, why and since when),
+    ``no_worker``, ``delayed``, ``lane_held``, ``global_cap``,
     ``organization_cap``, ``behind``), the lane and the job holding it, ``position`` among the jobs a worker could
     claim now (1 = next; ``None`` when the job itself cannot be claimed now), ``jobs_ahead``, its
     priority and age, the caps in effect (lane and global concurrency, jobs executing), the
@@ -210,7 +235,7 @@ def job_wait_explain(job: Job, *, now=None) -> dict[str, Any]:
 
 
 def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], streaks: dict[str, int],
-             workers_alive: int) -> dict[str, Any]:
+             workers_alive: int, pause: QueuePause | None = None) -> dict[str, Any]:
     concurrency = settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
     burst = settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST
     aging_ms = settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS
@@ -245,6 +270,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         "aging": None,
         "workers_alive": workers_alive,
         "queue_enabled": bool(settings.ORCHESTRATOR_QUEUE_ENABLED),
+        "paused": None if pause is None else queue_pause_as_dict(pause),
         "deadline_at": job.deadline_at.isoformat() if job.deadline_at else None,
         "blockers": [],
         "summary": "",
@@ -272,6 +298,10 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
     elif job.state == JobState.AWAITING_USER_CONFIRMATION:
         blockers.append({"code": "awaiting_user_confirmation",
                          "detail": "waits for a user's confirmation; workers do not claim it until then"})
+    if pause is not None:
+        blockers.append({"code": "queue_paused", "detail": f"the queue of its {pause.queue} is paused by "
+                                                           f"{pause.actor_label} since {pause.since.isoformat()}: "
+                                                           f"{pause.reason} (it keeps its place until resumed)"})
     if not workers_alive:
         blockers.append({"code": "no_worker", "detail": "no worker has sent a heartbeat within "
                                                         f"{worker_alive_window_s()} s: nothing claims jobs"})
@@ -312,7 +342,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         ahead = counts["aged_ahead"] if job_is_aged else counts["aged"] + counts["ahead"]
         explanation["jobs_ahead"] = ahead
         explanation["eligible_jobs"] = counts["eligible"]
-        claimable = not delayed and holder is None and not organization_capped
+        claimable = not delayed and holder is None and not organization_capped and pause is None
         if claimable:
             explanation["position"] = ahead + 1
         if ahead:

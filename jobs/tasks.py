@@ -1,12 +1,20 @@
-"""django-q2 entry points. Idempotent: they take nothing but "go look for work"."""
+"""django-q2 entry points. Idempotent: they take nothing but "go look for work", or the id of
+a bulk operation that keeps its own cursor."""
 
 from __future__ import annotations
 
+import logging
 import time
+from datetime import timedelta
 
 from django.conf import settings
+from django.utils import timezone
 
+from core.bulk import bulk_operation_as_dict, bulk_operation_process
+from core.models import BulkOperation
 from jobs import executor, services, worker
+
+logger = logging.getLogger("orchestrator.jobs")
 
 
 def drain(*args, **kwargs) -> int:
@@ -29,5 +37,30 @@ def drain(*args, **kwargs) -> int:
 
 
 def maintenance(*args, **kwargs) -> dict:
-    """The scheduled backstop of the workers' own maintenance (every minute)."""
+    """The scheduled backstop of the workers' own maintenance (every minute); bulk operations whose
+    message was lost (no progress for longer than django-q2's redelivery delay) are sent again."""
+    stalled_since = timezone.now() - timedelta(seconds=settings.Q_CLUSTER["retry"])
+    for operation_id in BulkOperation.objects.filter(status=BulkOperation.Status.RUNNING,
+                                                     updated_at__lt=stalled_since).values_list("pk", flat=True):
+        bulk_runbook_send(operation_id)
     return worker.maintain()
+
+
+def bulk_runbook(operation_id: int, *args, **kwargs) -> dict:
+    """The ``bulk_runbook`` task: process a bulk runbook operation (``core.bulk``) for at most one
+    drain budget (``ORCHESTRATOR_QUEUE_DRAIN_MAX_S``), then send itself again while it runs.
+    Delivered twice, or after a worker died mid-batch, it goes on from the operation's cursor."""
+    operation = bulk_operation_process(operation_id=int(operation_id), budget_s=settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_S)
+    if operation.status == BulkOperation.Status.RUNNING:
+        bulk_runbook_send(operation.pk)
+    return bulk_operation_as_dict(operation)
+
+
+def bulk_runbook_send(operation_id: int) -> None:
+    """Send the ``bulk_runbook`` task for an operation (``core.bulk.bulk_launcher_register`` installs it)."""
+    from django_q.tasks import async_task
+
+    try:
+        async_task("jobs.tasks.bulk_runbook", operation_id, save=False, ack_failure=True)
+    except Exception:  # the broker is down: the maintenance backstop sends it again
+        logger.exception("could not send bulk operation %s", operation_id)

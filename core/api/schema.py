@@ -36,6 +36,7 @@ ERROR_CODES: dict[str, tuple[int, str]] = {
     "idempotency_key_reused": (422, "this Idempotency-Key was used with another request body"),
     "payload_too_large": (413, "the request body is over `ORCHESTRATOR_API_MAX_BODY_BYTES`"),
     "rate_limited": (429, "too many requests from this caller; see `Retry-After`"),
+    "queue_pause_conflict": (409, "the queue is paused already (to pause) or not paused (to resume)"),
     "queue_full": (429, "the job queue is at its cap; see `Retry-After` / `retry_after`"),
     "queue_disabled": (503, "the job queue is disabled"),
 }

@@ -1,7 +1,9 @@
 """What every runbook command shares: domain errors become ``CommandError``, never a traceback.
 
 ``RunbookActionCommand`` is the shell face of a ``core.runbooks.Runbook``: ``<command> ID [ID ...]
---reason TEXT [--dry-run] [--as USERNAME] [--json]`` and the runbook's own arguments. It plans
+--reason TEXT [--dry-run] [--as USERNAME] [--json]`` and the runbook's own arguments, or
+``--filter QUERY`` instead of ids: every object the admin's list shows for that query string,
+applied as a tracked bulk operation (``core.bulk``) with a progress bar. It plans
 or applies the runbook to each object, prints one line per object (done, skipped and why,
 refused and why) and ends with a ``CommandError`` when any object was refused. A runbook's
 command module is one line: ``Command = runbook_command("<command>")``.
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand, CommandError
 
+from core.bulk import LabelActor, bulk_operation_process, bulk_operation_start, runbook_filter_queryset
 from core.errors import DomainError
 from core.runbooks import (
     DONE,
@@ -35,20 +38,12 @@ __all__ = ["RunbookCommand", "RunbookActionCommand", "ShellActor", "describe_err
            "runbook_command", "whole_number"]
 
 
-class ShellActor:
+class ShellActor(LabelActor):
     """The person at the shell when no ``--as`` user is named: audited by label only
     (``shell:<os user>``), with no user row behind it."""
 
-    pk = None
-
     def __init__(self, label: str | None = None) -> None:
-        self.username = label or f"shell:{_os_user()}"
-
-    def get_username(self) -> str:
-        return self.username
-
-    def __str__(self) -> str:
-        return self.username
+        super().__init__(label or f"shell:{_os_user()}")
 
 
 def _os_user() -> str:
@@ -146,17 +141,28 @@ class RunbookActionCommand(RunbookCommand):
     runbook: Runbook
 
     def add_arguments(self, parser):
-        runbook = self.runbook
-        if runbook.targets is None:
-            parser.add_argument("ids", nargs="+" if runbook.many else None, type=positive_id,
-                                metavar=runbook.noun.upper(), help=f"{runbook.noun} id{'s' if runbook.many else ''}")
-        if runbook.arguments is not None:
-            runbook.arguments(parser)
+        self.add_target_arguments(parser)
+        if self.runbook.arguments is not None:
+            self.runbook.arguments(parser)
         parser.add_argument("--reason", required=True, help="why: recorded in the audit trail")
         parser.add_argument("--dry-run", action="store_true", help="show what would happen; change nothing")
         parser.add_argument("--as", dest="as_user", metavar="USERNAME",
                             help="the user recorded as the actor (default: the shell user, by name)")
         parser.add_argument("--json", action="store_true", help="print the results as JSON")
+
+    def add_target_arguments(self, parser) -> None:
+        """The objects: ids, or ``--filter`` (the admin changelist's query string), unless the runbook selects them."""
+        runbook = self.runbook
+        if runbook.targets is not None:
+            return
+        if not runbook.many:
+            parser.add_argument("ids", type=positive_id, metavar=runbook.noun.upper(), help=f"{runbook.noun} id")
+            return
+        parser.add_argument("ids", nargs="*", type=positive_id, metavar=runbook.noun.upper(),
+                            help=f"{runbook.noun} ids (or --filter)")
+        parser.add_argument("--filter", dest="query", metavar="QUERY",
+                            help="every object the admin's list shows with this query string (e.g. "
+                                 "'status=failed&project__id__exact=3'; list filters and q= searches included)")
 
     @property
     def noun(self) -> str:
@@ -169,6 +175,8 @@ class RunbookActionCommand(RunbookCommand):
         if self.runbook.targets is not None:
             return list(self.runbook.targets(options, runbook_options))
         ids = options["ids"] if self.runbook.many else [options["ids"]]
+        if not ids:
+            raise CommandError(f"give {self.noun} ids, or --filter with the admin list's query string")
         found = {obj.pk: obj for obj in self.runbook.model._default_manager.filter(pk__in=ids)}
         missing = [str(pk) for pk in ids if pk not in found]
         if missing:
@@ -182,9 +190,38 @@ class RunbookActionCommand(RunbookCommand):
         actor = self.resolve_operator(options["as_user"])
         self.check_permission(actor)
         runbook_options = self.runbook_options(options)
+        if options.get("query") is not None:
+            return self.handle_filter(options, actor=actor, reason=reason, runbook_options=runbook_options)
         targets = self.targets(options, runbook_options)
         self.report(self.apply(targets, actor=actor, reason=reason, runbook_options=runbook_options,
                                dry_run=options["dry_run"]), options)
+
+    def handle_filter(self, options, *, actor, reason: str, runbook_options: dict) -> None:
+        """``--filter``: every object the admin list shows for the query string. A dry run plans each
+        one; otherwise a bulk operation (``core.bulk``) is recorded and processed here, batch by batch."""
+        if options["ids"]:
+            raise CommandError(f"give {self.noun} ids or --filter, not both")
+        queryset = runbook_filter_queryset(self.runbook, options["query"], user=actor)
+        matched = queryset.count()
+        if not options["json"]:
+            self.stdout.write(f"{matched} {self.noun}{'s' if matched != 1 else ''} match --filter "
+                              f"{options['query']!r}")
+        if options["dry_run"]:
+            outcomes = self.apply(list(queryset), actor=actor, reason=reason, runbook_options=runbook_options,
+                                  dry_run=True)
+            return self.report(outcomes, options, matched=matched)
+        operation = bulk_operation_start(runbook=self.runbook, query=options["query"], actor=actor, reason=reason,
+                                         options=runbook_options, queryset=queryset)
+        outcomes: list = []
+        with progress_bar(operation.total, f"{self.runbook.title.lower()} {operation.total} {self.noun}s "
+                                           f"(bulk operation {operation.pk})") as advance:
+            def batch_done(batch: list) -> None:
+                outcomes.extend(batch)
+                for outcome in batch:
+                    advance(outcome)
+
+            operation = bulk_operation_process(operation_id=operation.pk, on_outcomes=batch_done)
+        self.report(outcomes, options, matched=matched, operation=operation.pk)
 
     def check_permission(self, actor) -> None:
         """A named ``--as`` user needs the runbook's permission, as in the admin (the shell user,
@@ -201,12 +238,12 @@ class RunbookActionCommand(RunbookCommand):
             return runbook_execute(self.runbook, targets, actor=actor, reason=reason, options=runbook_options,
                                    dry_run=dry_run, on_each=advance)
 
-    def report(self, outcomes: list, options) -> None:
+    def report(self, outcomes: list, options, **extra) -> None:
         counts = {result: sum(1 for outcome in outcomes if outcome.result == result)
                   for result in (DONE, PLANNED, SKIPPED, REFUSED)}
         if options["json"]:
             self.stdout.write(json.dumps({
-                "action": self.runbook.name, "dry_run": options["dry_run"],
+                "action": self.runbook.name, "dry_run": options["dry_run"], **extra,
                 "results": [{self.noun: outcome.target.pk, "result": outcome.result, "detail": outcome.detail}
                             for outcome in outcomes],
                 **counts,
@@ -219,6 +256,8 @@ class RunbookActionCommand(RunbookCommand):
                 label = "would do" if outcome.result == PLANNED else outcome.result
                 self.stdout.write(styles[outcome.result](
                     f"{prefix}{self.noun} {outcome.target.pk}: {label}: {outcome.detail}"))
+            if extra.get("operation"):
+                self.stdout.write(f"bulk operation {extra['operation']} (in the admin: Bulk operations)")
             if len(outcomes) > 1 or not outcomes:
                 self.stdout.write(", ".join(f"{n} {result}" for result, n in counts.items() if n) or "nothing to do")
         refused = [outcome for outcome in outcomes if outcome.result == REFUSED]

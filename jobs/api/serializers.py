@@ -55,3 +55,15 @@ class JobEnqueuedSerializer(JobSerializer):
 
 class JobCancelSerializer(StrictSerializer):
     reason = serializers.CharField(max_length=1000, required=False, allow_blank=True, default="")
+
+
+class QueueChangeSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, help_text="why: recorded in the audit trail with your name")
+
+
+class QueueStateSerializer(serializers.Serializer):
+    project = serializers.IntegerField()
+    paused = serializers.BooleanField()
+    by = serializers.CharField(help_text="who paused it (or resumed it)")
+    reason = serializers.CharField()
+    since = serializers.DateTimeField(allow_null=True, help_text="when it was paused (a resume: the pause that ended)")

@@ -3,10 +3,11 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from jobs.api.views import HealthView, JobViewSet
+from jobs.api.views import HealthView, JobViewSet, ProjectQueueViewSet
 
 router = SimpleRouter()
 router.register("jobs", JobViewSet, basename="job")
+router.register("projects", ProjectQueueViewSet, basename="project-queue")
 
 urlpatterns = [
     path("health/", HealthView.as_view(), name="health"),

@@ -24,12 +24,20 @@ from core.api.schema import errors, list_retrieve_schema
 from core.api.serializers import HealthSerializer
 from core.api.tenancy import VisibleIdFilter, as_id, organization_ids, visible_projects
 from core.errors import NotFound, PermissionRefused, ValidationFailed
-from jobs.api.serializers import JobCancelSerializer, JobEnqueuedSerializer, JobEnqueueSerializer, JobSerializer
+from jobs.api.serializers import (
+    JobCancelSerializer,
+    JobEnqueuedSerializer,
+    JobEnqueueSerializer,
+    JobSerializer,
+    QueueChangeSerializer,
+    QueueStateSerializer,
+)
 from jobs.commands.job import command_job_credits_check
 from jobs.errors import CommandConflict
+from core.models import Membership, Project
 from jobs.models import CommandRecord, Job, JobState, WorkerHeartbeat, WorkerSession
 from jobs.registry import definition_get
-from jobs.services import job_as_dict, job_cancel, job_enqueue
+from jobs.services import job_as_dict, job_cancel, job_enqueue, queue_pause, queue_resume
 from jobs.sessions import worker_session_user_operation
 
 logger = logging.getLogger("orchestrator.api")
@@ -183,6 +191,45 @@ class JobViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
             raise PermissionRefused(f"job {job.pk} ({job.type}) belongs to the run engine; act on its run instead")
         job = job_cancel(job_id=job.pk, reason=serializer.validated_data["reason"], actor=request.user)
         return Response(job_as_dict(job))
+
+
+class ProjectQueueViewSet(ApiViewSet):
+    """A project's queue: pause and resume (its organization's owners only)."""
+
+    queryset = Project.objects.order_by("id")
+    entity = "project"
+
+    def _change(self, request, service, *, paused: bool):
+        project = self.get_object()
+        if not Membership.objects.filter(user=request.user, organization_id=project.organization_id,
+                                         role=Membership.Role.OWNER).exists():
+            raise PermissionRefused(f"pausing or resuming the queue of project {project.pk} needs the owner role of "
+                                    "its organization")
+        serializer = QueueChangeSerializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        pause = service(project_id=project.pk, actor=request.user, reason=serializer.validated_data["reason"])
+        return Response({"project": project.pk, "paused": paused, "by": request.user.get_username(),
+                         "reason": serializer.validated_data["reason"], "since": pause.since})
+
+    @extend_schema(description=("Pauses the project's queue: its jobs stay queued (enqueueing goes on), no worker "
+                                "claims them and its runs wait, until it is resumed. The organization's owners only; "
+                                "audited. A paused queue answers 409 `queue_pause_conflict`."),
+                   summary="Pause a project's queue", request=QueueChangeSerializer,
+                   responses={200: QueueStateSerializer, **errors("validation_error", "not_found", "permission_denied",
+                                                                  "queue_pause_conflict")})
+    @action(detail=True, methods=["post"], url_path="queue/pause")
+    def pause(self, request, pk=None):
+        return self._change(request, queue_pause, paused=True)
+
+    @extend_schema(description=("Resumes the project's paused queue: its jobs are claimed again, in order. The "
+                                "organization's owners only; audited. A queue that is not paused answers 409 "
+                                "`queue_pause_conflict`."),
+                   summary="Resume a project's queue", request=QueueChangeSerializer,
+                   responses={200: QueueStateSerializer, **errors("validation_error", "not_found", "permission_denied",
+                                                                  "queue_pause_conflict")})
+    @action(detail=True, methods=["post"], url_path="queue/resume")
+    def resume(self, request, pk=None):
+        return self._change(request, queue_resume, paused=False)
 
 
 def _health_database() -> dict:

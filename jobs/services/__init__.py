@@ -16,6 +16,7 @@ By concern:
   ``job_retarget`` (an executing attempt moves on to new work).
 - ``cancellation``: ``job_cancel``, ``job_mark_cancelled``, ``job_cancel_requested``,
   ``jobs_enforce_interrupt_timeouts``.
+- ``pauses``: ``queue_pause``, ``queue_resume`` (the claim passes over a paused queue's jobs).
 - ``recovery``: ``job_requeue``, ``job_renew_lease``, ``jobs_recover_expired``, ``jobs_enforce_deadlines``.
 """
 
@@ -29,6 +30,7 @@ from jobs.services.claim import job_claim, jobs_claim_order, jobs_eligible, orga
 from jobs.services.common import job_as_dict, job_transition
 from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
 from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress, job_retarget
+from jobs.services.pauses import queue_pause, queue_resume
 from jobs.services.recovery import job_renew_lease, job_requeue, jobs_enforce_deadlines, jobs_recover_expired
 
 __all__ = [
@@ -54,4 +56,6 @@ __all__ = [
     "jobs_recover_expired",
     "organization_max_executing",
     "organization_max_waiting",
+    "queue_pause",
+    "queue_resume",
 ]

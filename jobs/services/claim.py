@@ -8,10 +8,10 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, F, Q, Subquery
+from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
 from django.utils import timezone
 
-from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
+from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
 from jobs.services.common import _after_commit_hook, _move
 
@@ -23,7 +23,8 @@ def organization_max_executing() -> int:
 
 def jobs_eligible(now):
     """Jobs that may be claimed now: waiting, past ``not_before``, their lane idle, their
-    organization below its cap of executing jobs (``organization_max_executing``)."""
+    organization below its cap of executing jobs (``organization_max_executing``), neither their
+    project's queue nor their type's paused (``QueuePause``)."""
     busy_lanes = Job.objects.filter(state=JobState.EXECUTING).exclude(lane="").values("lane")
     busy_organizations = (Job.objects.filter(state=JobState.EXECUTING).order_by().values("organization_id")
                           .annotate(n=Count("id")).filter(n__gte=organization_max_executing())
@@ -31,7 +32,9 @@ def jobs_eligible(now):
     return (Job.objects.filter(state__in=list(WAITING_JOB_STATES))
             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
             .exclude(lane__in=Subquery(busy_lanes))
-            .exclude(organization_id__in=Subquery(busy_organizations)))
+            .exclude(organization_id__in=Subquery(busy_organizations))
+            .exclude(Exists(QueuePause.objects.filter(Q(project_id=OuterRef("project_id"))
+                                                      | Q(job_type=OuterRef("type"))))))
 
 
 def _free_slots() -> list[int]:
@@ -67,14 +70,17 @@ def _pick_sql(*, aged: bool) -> str:
     key = (connection.vendor, aged)
     if key not in _PICK_SQL:
         qn = connection.ops.quote_name
-        job, lane = qn(Job._meta.db_table), qn(JobLane._meta.db_table)
+        job, lane, pause = qn(Job._meta.db_table), qn(JobLane._meta.db_table), qn(QueuePause._meta.db_table)
         waiting = ", ".join(["%s"] * len(WAITING_JOB_STATES))
         sql = (f"SELECT * FROM {job} WHERE {qn('state')} IN ({waiting})"
                f" AND ({qn('not_before')} IS NULL OR {qn('not_before')} <= %s)"
                f" AND NOT ({qn('lane')} IN (SELECT b.{qn('lane')} FROM {job} b"
                f" WHERE b.{qn('state')} = %s AND NOT (b.{qn('lane')} = %s)))"
                f" AND NOT ({qn('organization_id')} IN (SELECT o.{qn('organization_id')} FROM {job} o"
-               f" WHERE o.{qn('state')} = %s GROUP BY o.{qn('organization_id')} HAVING COUNT(*) >= %s))")
+               f" WHERE o.{qn('state')} = %s GROUP BY o.{qn('organization_id')} HAVING COUNT(*) >= %s))"
+               # a paused queue (its project's or its type's): passed over, its jobs keep their place
+               f" AND NOT EXISTS (SELECT 1 FROM {pause} p WHERE p.{qn('project_id')} = {job}.{qn('project_id')}"
+               f" OR p.{qn('job_type')} = {job}.{qn('type')})")
         if aged:
             sql += (f" AND {qn('lane')} IN (SELECT l.{qn('key')} FROM {lane} l WHERE l.{qn('interactive_streak')} >= %s)"
                     f" AND {qn('priority_class')} = %s AND {qn('queued_at')} <= %s"
@@ -107,7 +113,8 @@ def job_claim(*, worker: str, now=None) -> Job | None:
 
     Order: aged background jobs of a lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs
     in a row first, then lower ``priority``, interactive before background, FIFO. A job is
-    eligible when waiting, past ``not_before``, its lane idle, a concurrency slot free and its
+    eligible when waiting, past ``not_before``, its queue not paused (``queue_pause``: neither its
+    project's nor its type's), its lane idle, a concurrency slot free and its
     organization below its cap of executing jobs (``organization_max_executing``; an organization
     at its cap is passed over: its jobs stay queued and another organization's take the slot).
     The lane, slot and organization-slot limits are unique constraints, so a lost race is

@@ -13,7 +13,7 @@ RUNBOOK_PERMISSIONS = {
     "runs.start_run", "runs.force_fail_run", "runs.cancel_run", "runs.pause_run", "runs.resume_run", "runs.retry_run",
     "runs.escalate_run", "runs.recover_run", "runs.approve_gate", "runs.manage_escalation",
     "runs.acknowledge_drift", "runs.void_run", "billing.refund_run",
-    "jobs.requeue_job", "jobs.fail_job", "jobs.cancel_job", "diagnosis.request_suggestion",
+    "jobs.requeue_job", "jobs.fail_job", "jobs.cancel_job", "jobs.pause_queue", "diagnosis.request_suggestion",
 }
 
 

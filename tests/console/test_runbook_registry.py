@@ -14,8 +14,11 @@ from django.core.management.sql import emit_post_migrate_signal
 from django.urls import reverse
 
 from core import runbooks as registry
+from core.models import Project
 from core.runbooks import OPERATORS_GROUP, Plan, Runbook, runbook_register
+from core.services import project_create
 from jobs.models import Job
+from jobs.services import queue_pause
 from runs.models import EscalationTicket, Run
 from tests.console.test_actions import action_choices
 from tests.console.test_gates_console import gated_run, manifest  # noqa: F401  (manifest: a fixture)
@@ -33,7 +36,14 @@ def objects(run_in, escalation, job_in, project, manifest, settings):  # noqa: F
         Run: [run_in(state) for state in RUN_STATES] + [gated_run(project, manifest, "stopped_drift")],
         EscalationTicket: [escalation()],
         Job: [job_in("executing"), job_in("queued")],
+        Project: [project, paused_project(project)],
     }
+
+
+def paused_project(project) -> Project:
+    paused = project_create(organization=project.organization, name="paused")
+    queue_pause(project_id=paused.pk, actor=None, reason="a paused queue for its resume button")
+    return paused
 
 
 def test_every_registered_runbook_is_an_action_a_button_a_command_and_an_operators_permission(
