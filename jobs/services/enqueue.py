@@ -71,9 +71,12 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
     active_key = f"{definition.type}:{key}" if key else None
     with transaction.atomic():
         # Serializes enqueues of one project: its cap is exact and duplicates see each other.
-        Project.objects.select_for_update().filter(pk=project.pk).first()
+        # FOR NO KEY UPDATE: enqueuers wait for each other, but a transaction inserting a row that
+        # refers to the project (its foreign-key check takes KEY SHARE) never waits for an enqueue,
+        # so no deadlock forms with one that holds a lock an enqueue needs next.
+        Project.objects.select_for_update(no_key=True).filter(pk=project.pk).first()
         # Then of one organization (always after the project: one lock order): its cap is exact.
-        Organization.objects.select_for_update().filter(pk=project.organization_id).first()
+        Organization.objects.select_for_update(no_key=True).filter(pk=project.organization_id).first()
         if active_key:
             existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
             if existing is not None:

@@ -29,7 +29,7 @@ def _queue(*, project_id: int | None, job_type: str) -> tuple[Project | None, st
             raise ValidationFailed("unknown job type", errors={"job_type": [f"{job_type!r} is not a registered "
                                                                             "job type"]})
         return None, job_type
-    project = Project.objects.select_for_update().filter(pk=project_id).first()
+    project = Project.objects.select_for_update(no_key=True).filter(pk=project_id).first()
     if project is None:
         raise NotFound(f"project {project_id} does not exist")
     return project, ""
