@@ -221,3 +221,47 @@ def test_a_job_held_back_by_its_organizations_cap_says_so(org_factory, settings)
     explanation = job_wait_explain(waiting)
     assert "organization_cap" in [blocker["code"] for blocker in explanation["blockers"]]
     assert explanation["position"] is None  # not claimable while its organization is at its cap
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_an_enqueue_in_flight_never_blocks_a_row_that_refers_to_its_project(org_factory):
+    """An enqueue serializes its project and organization with a row lock held to its commit; a
+    transaction that meanwhile inserts a row referring to that project (its foreign-key check takes
+    a KEY SHARE lock when it commits) must not wait for it: with FOR UPDATE it did, and two clusters
+    deadlocked (a 500 on run create, a retried run_step)."""
+    from django.db import transaction
+
+    from core.models import Project
+
+    organization, project, _ = org_factory()
+    enqueued = threading.Event()
+    release = threading.Event()
+    errors: list[BaseException] = []
+
+    def enqueue_and_hold() -> None:
+        try:
+            with transaction.atomic():
+                job_enqueue(job_type="noop", project=project, payload={"n": 1})
+                enqueued.set()
+                release.wait(timeout=30)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=enqueue_and_hold, daemon=True)
+    holder.start()
+    try:
+        assert enqueued.wait(timeout=30)
+        with transaction.atomic():
+            with connection.cursor() as cursor:
+                cursor.execute("SET LOCAL lock_timeout = '3s'")
+            # a project (refers to the organization) and its event row (refers to both), committed
+            # while the enqueue still holds its locks
+            project_create(organization=organization, name="beside an enqueue")
+        assert Project.objects.filter(organization=organization, name="beside an enqueue").exists()
+    finally:
+        release.set()
+        holder.join(timeout=30)
+    assert errors == []
