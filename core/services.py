@@ -35,6 +35,18 @@ def event_record(
     return event
 
 
+def events_record(rows: list[dict[str, Any]]) -> list[Event]:
+    """Write several outbox events in one statement, in the caller's transaction, in the order
+    given (their ids increase in that order). Each row takes ``event_record``'s keyword arguments."""
+    if not rows:
+        return []
+    return Event.objects.bulk_create([
+        Event(type=row["type"], organization_id=row.get("organization_id"), project_id=row.get("project_id"),
+              run_id=row.get("run_id"), payload=row.get("payload") or {})
+        for row in rows
+    ])
+
+
 # Keys every transition line carries (None when they do not apply), and the names call sites
 # may use for them.
 TRANSITION_KEYS = ("entity", "type", "project_id", "run_id", "attempt", "from", "to", "reason")
