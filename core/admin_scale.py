@@ -13,7 +13,8 @@
   ORDER BY id DESC LIMIT n``, an index seek whatever its depth. A list sorted by a column
   (``?o=``) has no cursor: it pages by number up to the cap.
 
-Its rows are drawn by ``core.admin_rows`` (the stock HTML at a fraction of the cost), through the
+A page shows 50 rows (``?rows=100`` or ``200`` for more, kept in the list's links). Its
+rows are drawn by ``core.admin_rows`` (the stock HTML at a fraction of the cost), through the
 ``admin/scaled_change_list.html`` template.
 """
 
@@ -30,6 +31,8 @@ from django.utils.html import format_html
 from django.utils.translation import gettext
 
 CURSOR_VAR = "cursor"
+PER_PAGE_VAR = "rows"  # not "per_page": a link that drops "p" (the page) drops every key starting with it
+PER_PAGE_CHOICES = (50, 100, 200)
 KEYSET_ORDERINGS = (["-id"], ["-pk"], ("-id",), ("-pk",))
 
 
@@ -112,13 +115,32 @@ class ScaledChangeList(ChangeList):
     def get_filters_params(self, params=None):
         lookup_params = super().get_filters_params(params)
         lookup_params.pop(CURSOR_VAR, None)
+        lookup_params.pop(PER_PAGE_VAR, None)
         return lookup_params
+
+    def _apply_per_page(self, request) -> None:
+        """``?rows=`` (one of ``PER_PAGE_CHOICES``) shows more rows than the list's default;
+        it stays in every link of the list (filters, sorting, older pages)."""
+        raw = request.GET.get(PER_PAGE_VAR)
+        if raw is None:
+            return
+        if not raw.isdigit() or int(raw) not in PER_PAGE_CHOICES:
+            raise IncorrectLookupParameters(f"{PER_PAGE_VAR} must be one of {PER_PAGE_CHOICES}")
+        self.list_per_page = int(raw)
+
+    @property
+    def per_page_links(self) -> list[tuple[int, str, bool]]:
+        """(rows, link, shown now) for each page size offered, from the newest rows."""
+        sizes = sorted({self.model_admin.list_per_page, *PER_PAGE_CHOICES})
+        return [(size, self.get_query_string({PER_PAGE_VAR: size}, remove=[CURSOR_VAR, PAGE_VAR]),
+                 size == self.list_per_page) for size in sizes]
 
     @property
     def keyset_ready(self) -> bool:
         return ORDER_VAR not in self.params and self._get_default_ordering() in KEYSET_ORDERINGS
 
     def get_results(self, request):
+        self._apply_per_page(request)
         if self.keyset_cursor is not None and not self.keyset_ready:
             raise IncorrectLookupParameters(f"{CURSOR_VAR} pages only the default ordering")
         if self.keyset_cursor is None:
@@ -150,6 +172,9 @@ class ScaledListMixin:
 
     show_full_result_count = False
     paginator = ScaledPaginator
+    # 50 rows, not Django's 100: an incident is read from the top, 50 one-line rows are two screens
+    # at 1,280 px, and the rows are most of what the page costs. ``?rows=100|200`` shows more.
+    list_per_page = 50
     change_list_template = "admin/scaled_change_list.html"  # rows drawn by core.admin_rows
     list_defer: tuple[str, ...] = ()  # large columns the list does not show (a run's plan)
 

@@ -81,3 +81,23 @@ def test_durations_are_compact():
     assert [duration_label(value) for value in (None, 0, 59, 60, 3599, 3600, 3660, 86400, 90000)] == [
         "—", "0 s", "59 s", "1 min", "59 min", "1 h", "1 h 1 min", "1 d", "1 d 1 h"]
 
+
+
+def test_a_page_shows_50_rows_and_per_page_shows_more_kept_in_its_links(viewer_client, project):
+    template = build_run(project, "created", name="template")
+    Run.objects.bulk_create([Run(organization_id=template.organization_id, project=project, name=f"bulk {index}",
+                                 plan=template.plan, credit_limit=template.credit_limit) for index in range(119)])
+    url = reverse("admin:runs_run_changelist")
+    first = viewer_client.get(url)
+    assert len(first.context["cl"].result_list) == 50
+    assert "rows" not in first.context["cl"].keyset_older_url
+    more = viewer_client.get(url, {"rows": 100})
+    cl = more.context["cl"]
+    assert len(cl.result_list) == 100 and "rows=100" in cl.keyset_older_url
+    assert "rows=100" in cl.get_query_string({"status__exact": "created"})  # filters keep the size
+    older = viewer_client.get(f"{url}{cl.keyset_older_url}")
+    assert len(older.context["cl"].result_list) == 20
+    assert b"rows per page:" in first.content
+    for bad in ("7", "x", "100000"):
+        answer = viewer_client.get(url, {"rows": bad})
+        assert answer.status_code == 302 and answer["Location"].endswith("?e=1")
