@@ -52,6 +52,28 @@ def estimate_or_count(queryset, limit: int) -> tuple[int, bool] | None:
     return (int(row[0]), bool(row[1])) if row else None
 
 
+def counts_bounded(querysets: dict, limit: int) -> dict:
+    """Each queryset's rows counted up to ``limit`` + 1 (a figure above ``limit`` means "more than
+    ``limit``"), all in one query: ``SELECT (SELECT COUNT(*) FROM (... LIMIT n)), ...``. Each count
+    stops after ``limit`` + 1 rows, so its cost does not follow the table's size. A queryset given
+    an explicit ``order_by`` keeps it: the order of the index meant to be walked (under a limit the
+    planner may otherwise walk a broader index and filter it, trusting an estimate)."""
+    if not querysets:
+        return {}
+    connection = connections[next(iter(querysets.values())).db]
+    parts, params = [], []
+    for queryset in querysets.values():
+        if not queryset.query.order_by:
+            queryset = queryset.order_by()
+        sql, part_params = queryset.values("pk")[:limit + 1].query.sql_with_params()
+        parts.append(f"(SELECT COUNT(*) FROM ({sql}) AS bounded)")
+        params.extend(part_params)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {', '.join(parts)}", params)
+        row = cursor.fetchone()
+    return {name: int(count) for name, count in zip(querysets, row)}
+
+
 class ScaledPaginator(Paginator):
     """A paginator whose ``count`` is cheap: see the module docstring. ``count_kind`` says what the
     number is ("exact", "estimate" or "at_least") and ``count_label`` how to show it."""

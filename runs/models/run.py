@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
 from core.models import Organization, Project
@@ -97,6 +98,13 @@ class Run(ConcurrentTransitionMixin, models.Model):
             # Live runs newest first: the "stuck" list walks only these.
             models.Index(fields=["id"], name="run_live_id_idx", condition=models.Q(
                 status__in=["pending", "running", "paused", "resuming", "retrying"])),
+            # Running runs by start and by last sign of life (the heartbeat, or the status change of a
+            # run that never beat): the "stuck" parts of the dashboard and its bounded counts read
+            # only the running runs past a timeout (runs.selectors.run_stuck_parts).
+            models.Index(fields=["started_at"], name="run_running_started_idx",
+                         condition=models.Q(status="running")),
+            models.Index(Coalesce("last_heartbeat", "status_changed_at"), name="run_running_silent_since_idx",
+                         condition=models.Q(status="running")),
             # Runs not settled (the retention prune keeps their jobs and events): a few, found by index.
             models.Index(fields=["id"], name="run_unsettled_id_idx",
                          condition=~models.Q(status__in=["completed", "cancelled", "failed"])),
