@@ -11,7 +11,7 @@ page. A changelist with editable rows, a popup or a ``to_field`` keeps the stock
 
 Columns that stay cheap (``cell_*`` helpers): an admin method returns plain text or one
 ``format_html``; a long text is cut by the stylesheet with its whole value in ``title``
-(``cell_truncated``); durations are compact (``duration_label``: "3 h 12 min").
+(``cell_truncated``); durations are compact (``duration_label``: "3h 12m").
 """
 
 from __future__ import annotations
@@ -39,20 +39,20 @@ def html_text(value) -> str:
 
 
 def duration_label(seconds: float | None) -> str:
-    """A compact duration: "45 s", "12 min", "3 h 12 min", "4 d 6 h"; "—" for none."""
+    """A compact duration: "45s", "12m", "3h 12m", "4d 6h"; "—" for none."""
     if seconds is None:
         return "—"
     seconds = max(0, int(seconds))
     if seconds < 60:
-        return f"{seconds} s"
+        return f"{seconds}s"
     minutes = seconds // 60
     if minutes < 60:
-        return f"{minutes} min"
+        return f"{minutes}m"
     hours, minutes = divmod(minutes, 60)
     if hours < 24:
-        return f"{hours} h {minutes} min" if minutes else f"{hours} h"
+        return f"{hours}h {minutes}m" if minutes else f"{hours}h"
     days, hours = divmod(hours, 24)
-    return f"{days} d {hours} h" if hours else f"{days} d"
+    return f"{days}d {hours}h" if hours else f"{days}d"
 
 
 def cell_truncated(text: str, *, css: str = "cell-truncate"):

@@ -20,7 +20,7 @@ from django.utils.safestring import mark_safe
 
 from core.admin import ProjectAdmin, ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, recent_filter, top_values_filter
-from core.admin_rows import cell_since, cell_truncated, duration_label, html_text
+from core.admin_rows import cell_truncated, duration_label, html_text
 from core.admin_scale import ScaledListMixin
 from core.errors import DomainError
 from core.runbooks import RunbookForm, describe_error
@@ -173,7 +173,7 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
     # An incident's list (issue 19): state with its reason, type, lane, attempts, how long it
     # waited (or waits) for a worker, its run; one line per row at 1,280 px (core.admin_rows).
     list_display = ("id", "job_type", "state_and_reason", "lane_name", "attempts_of", "wait", "age", "run",
-                    "project_name", "worker_name", "created")
+                    "worker_name")
     # Type and reason offer the values of the latest jobs (not a DISTINCT over the whole table);
     # their parameters are the stock filter's (type__exact=, reason__exact=), as the dashboard links.
     list_filter = ("state", JobStuckFilter, top_values_filter("type", "type", parameter="type__exact"),
@@ -243,17 +243,9 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
             return ""
         return mark_safe(f'<a href="{run_change_url_prefix()}{job.run_id:d}/change/">{job.run_id:d}</a>')
 
-    @admin.display(description="project", ordering="project")
-    def project_name(self, job):
-        return cell_truncated(str(job.project), css="cell-truncate cell-narrow")
-
     @admin.display(description="worker", ordering="worker")
     def worker_name(self, job):
         return cell_truncated(job.worker, css="cell-truncate cell-narrow")
-
-    @admin.display(description="created", ordering="created_at")
-    def created(self, job):
-        return cell_since(job.created_at, timezone.now())
 
     @admin.display(description="in state")
     def age(self, job):

@@ -147,7 +147,7 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
     # one line per row at 1,280 px (long names cut, whole in the title). Each column is a value
     # of the row or one format_html (core.admin_rows draws them without a query per row).
     list_display = ("id", "run_name", "project_name", "status_and_reason", "error", "in_status", "duration",
-                    "attempt", "credits", "escalated", "created")
+                    "attempt", "credits", "escalated")
     list_filter = ("status", StuckFilter, EscalatedFilter, "failure_mode", "organization",
                    ("project", ProjectListFilter), PriorityFilter,
                    top_values_filter("last_error_code", "error code"),
@@ -214,7 +214,10 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
 
     @admin.display(description="project", ordering="project")
     def project_name(self, run):
-        return cell_truncated(str(run.project), css="cell-truncate cell-narrow")
+        """The project's name, its organization in the title (the filter and search read both)."""
+        project = html_text(run.project.name)
+        return mark_safe(f'<span class="cell-truncate cell-narrow" title="{html_text(str(run.project))}">'
+                         f'{project}</span>')
 
     @admin.display(description="status · reason", ordering="status")
     def status_and_reason(self, run):
@@ -256,10 +259,6 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
         return mark_safe(f'<span class="cell-figure{over}" title="reserved {run.credits_reserved:d}, refunded '
                          f'{run.credits_refunded:d}">{run.credits_charged:d} / {run.credit_limit:d}</span>')
 
-    @admin.display(description="created", ordering="created_at")
-    def created(self, run):
-        return cell_since(run.created_at, timezone.now())
-
     # --- columns and fields ---------------------------------------------------------------
     @admin.display(description="status", ordering="status")
     def live_status(self, run):
@@ -275,9 +274,13 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
         return format_html('<span data-live="heartbeat" data-run="{}" data-ts="{}">{}</span>', run.pk, ts,
                            run.last_heartbeat or "never")
 
-    @admin.display(description="escalated", boolean=True)
+    @admin.display(description="incident")
     def escalated(self, run):
-        return getattr(run, "has_open_escalation", None)
+        """"open" while the run has an unresolved escalation ticket (nothing otherwise: a column of
+        "no" icons would hide the few that matter)."""
+        if not getattr(run, "has_open_escalation", False):
+            return ""
+        return mark_safe('<span class="status-badge" data-value="failed">open</span>')
 
     @admin.display(description="agents → tasks → steps")
     def hierarchy(self, run):

@@ -56,7 +56,7 @@ def test_the_run_list_shows_what_an_incident_needs(viewer_client, project):
     assert "upstream_timeout" in row and 'title="the upstream took 31 s"' in row
     assert f"{run.attempt_number}/{run.max_attempts}" in row
     assert f"{run.credits_charged} / {run.credit_limit}" in row
-    assert str(run.project) in row
+    assert f'title="{run.project}">{run.project.name}</span>' in row
     for header in ("status · reason", "last error", "in status", "duration", "attempt", "credits charged / limit",
                    "project"):
         assert header.capitalize() in page
@@ -79,7 +79,7 @@ def test_the_job_list_shows_state_reason_type_lane_attempts_wait_and_run(viewer_
 
 def test_durations_are_compact():
     assert [duration_label(value) for value in (None, 0, 59, 60, 3599, 3600, 3660, 86400, 90000)] == [
-        "—", "0 s", "59 s", "1 min", "59 min", "1 h", "1 h 1 min", "1 d", "1 d 1 h"]
+        "—", "0s", "59s", "1m", "59m", "1h", "1h 1m", "1d", "1d 1h"]
 
 
 
