@@ -91,6 +91,10 @@ class Run(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["status", "status_changed_at"], name="run_status_changed_idx"),
             models.Index(fields=["project", "status"], name="run_project_status_idx"),
             models.Index(fields=["organization", "-id"], name="run_org_idx"),
+            # The API's runs of an organization (not deleted), newest first, and their bounded count:
+            # an index-only range, not a scan of the table under a limit.
+            models.Index(fields=["organization", "id"], name="run_alive_org_id_idx",
+                         condition=models.Q(deleted_at__isnull=True)),
             # The run list (newest first) filtered by status, project or error code: an index seek.
             models.Index(fields=["status", "id"], name="run_status_id_idx"),
             models.Index(fields=["project", "id"], name="run_project_id_idx"),
