@@ -80,8 +80,9 @@ def _queue(now, limit: int) -> dict[str, Any]:
 def _runs(now, limit: int) -> dict[str, Any]:
     """Live runs by status and the stuck runs, in two queries whatever the number of live runs:
     every count stops at ``ORCHESTRATOR_DASHBOARD_COUNT_LIMIT`` + 1 rows (``bounded`` names the
-    figures that reached it: "1000+"), and the stuck list is the oldest ``limit`` of each disjoint
-    part of the stuck rule (``run_stuck_parts``: an index range each), merged."""
+    figures that reached it: "1000+"), and the stuck list merges the first ``limit`` of each
+    disjoint part of the stuck rule (``run_stuck_parts``: an index range each, read along it: the
+    longest in a waiting status, the longest silent among running runs), longest in status first."""
     count_limit = settings.ORCHESTRATOR_DASHBOARD_COUNT_LIMIT
     parts = run_stuck_parts(now=now)
     counted = counts_bounded({
@@ -99,14 +100,10 @@ def _runs(now, limit: int) -> dict[str, Any]:
     fields = ("id", "name", "status", "status_reason", "status_changed_at", "last_heartbeat")
     order = ("status_changed_at", "id")
     if connections[Run.objects.db].features.supports_slicing_ordering_in_compound:
-        pieces = []
-        for part, ordering in zip(parts, RUN_STUCK_PART_ORDERINGS):
-            rows = Run.objects.filter(part)
-            if ordering and ordering[0] != "status":
-                # A part read along another index than (status, status_changed_at): the oldest of
-                # the first runs found along it (a live run started long ago is seldom alive).
-                rows = Run.objects.filter(pk__in=rows.order_by(*ordering).values("pk")[:count_limit + 1])
-            pieces.append(rows.order_by(*order).values(*fields)[:limit])
+        # Each part's first ``limit`` along its own index (a waiting status: the longest in it; a
+        # running run: the longest silent), then the longest in their status first.
+        pieces = [Run.objects.filter(part).order_by(*(ordering or order)).values(*fields)[:limit]
+                  for part, ordering in zip(parts, RUN_STUCK_PART_ORDERINGS)]
         stuck = pieces[0].union(*pieces[1:], all=True).order_by(*order)[:limit]
     else:  # SQLite cannot order its parts: one query over the rule (a small embedded database)
         stuck = Run.objects.filter(run_stuck_q(now=now)).order_by(*order).values(*fields)[:limit]

@@ -108,7 +108,7 @@ class Run(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["started_at"], name="run_running_started_idx",
                          condition=models.Q(status="running")),
             models.Index(Coalesce("last_heartbeat", "status_changed_at"), name="run_running_silent_since_idx",
-                         condition=models.Q(status="running")),
+                         include=["id", "started_at"], condition=models.Q(status="running")),
             # Runs not settled (the retention prune keeps their jobs and events): a few, found by index.
             models.Index(fields=["id"], name="run_unsettled_id_idx",
                          condition=~models.Q(status__in=["completed", "cancelled", "failed"])),
