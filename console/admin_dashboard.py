@@ -45,12 +45,14 @@ TILE_GROUPS = [
 
 def _tiles(snapshot: dict) -> list[dict]:
     metrics, links = snapshot["metrics"], snapshot["links"]
+    bounded = set(snapshot.get("bounded", ()))
     groups = []
     for title, tiles in TILE_GROUPS:
         rows = []
         for metric, label, alert in tiles:
             value = metrics.get(metric, 0)
             rows.append({"metric": metric, "label": label, "value": value, "url": links.get(metric), "alert": alert,
+                         "shown": f"{value}+" if metric in bounded else value,
                          "alerting": (alert == "nonzero" and value != 0) or (alert == "zero" and value == 0)})
         groups.append({"title": title, "tiles": rows})
     return groups

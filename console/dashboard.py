@@ -3,7 +3,8 @@
 ``dashboard_snapshot()`` gathers, in a fixed number of grouped queries whatever the number of
 rows (about fifteen): queue depth by lane and by job type, executing jobs and their age, worker
 liveness, runs by live status and stuck runs (``runs.selectors.run_stuck_q``, the rule of the
-run list's "stuck" filter and of the recovery runbook), failures of the last hour by reason,
+run list's "stuck" filter and of the recovery runbook; counted up to
+``ORCHESTRATOR_DASHBOARD_COUNT_LIMIT``, "1000+" beyond, so a million runs cost what a thousand do), failures of the last hour by reason,
 credits held by open reservations, open escalations, and a per-minute series of completions
 and failures over the last hour (read from the event log, whose ``created_at`` is indexed, so
 its cost follows the last hour's traffic and not the size of the tables).
@@ -19,19 +20,22 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlencode
 
+from django.conf import settings
+from django.db import connections
 from django.db.models import Count, Q, Sum
 from django.db.models.functions import TruncMinute
 from django.urls import reverse
 from django.utils import timezone
 
 from billing.models import CreditAccount
+from core.admin_scale import counts_bounded
 from core.models import Event
 from jobs.events import JOB_COMPLETED, JOB_FAILED
 from jobs.models import WAITING_JOB_STATES, Job, JobState
 from jobs.selectors import queue_overview, queue_pause_list
 from runs.events import run_event
 from runs.models import LIVE_RUN_STATES, OPEN_ESCALATION_STATES, EscalationTicket, Run
-from runs.selectors import run_stuck_q
+from runs.selectors import RUN_STUCK_PART_ORDERINGS, run_stuck_parts, run_stuck_q
 
 FAILURE_WINDOW = timedelta(hours=1)
 CHART_MINUTES = 60
@@ -74,21 +78,48 @@ def _queue(now, limit: int) -> dict[str, Any]:
 
 
 def _runs(now, limit: int) -> dict[str, Any]:
-    by_status = dict(Run.objects.filter(status__in=LIVE_RUN_STATES).values_list("status")
-                     .annotate(n=Count("id")).order_by())
-    stuck = Run.objects.filter(run_stuck_q(now=now))
+    """Live runs by status and the stuck runs, in two queries whatever the number of live runs:
+    every count stops at ``ORCHESTRATOR_DASHBOARD_COUNT_LIMIT`` + 1 rows (``bounded`` names the
+    figures that reached it: "1000+"), and the stuck list merges the first ``limit`` of each
+    disjoint part of the stuck rule (``run_stuck_parts``: an index range each, read along it: the
+    longest in a waiting status, the longest silent among running runs), longest in status first."""
+    count_limit = settings.ORCHESTRATOR_DASHBOARD_COUNT_LIMIT
+    parts = run_stuck_parts(now=now)
+    counted = counts_bounded({
+        # Each count walks the index its ordering names: (status, id); each stuck part its own.
+        **{state: Run.objects.filter(status=state).order_by("id") for state in LIVE_RUN_STATES},
+        **{f"stuck-{index}": Run.objects.filter(part).order_by(*ordering)
+           for index, (part, ordering) in enumerate(zip(parts, RUN_STUCK_PART_ORDERINGS))}}, count_limit)
+    by_status = {state: min(counted[state], count_limit) for state in LIVE_RUN_STATES}
+    stuck_count = sum(counted[f"stuck-{index}"] for index in range(len(parts)))
+    bounded = [f"runs-{state}" for state in LIVE_RUN_STATES if counted[state] > count_limit]
+    if bounded:
+        bounded.append("runs-live")
+    if stuck_count > count_limit:
+        bounded.append("runs-stuck")
+    fields = ("id", "name", "status", "status_reason", "status_changed_at", "last_heartbeat")
+    order = ("status_changed_at", "id")
+    if connections[Run.objects.db].features.supports_slicing_ordering_in_compound:
+        # Each part's first ``limit`` along its own index (a waiting status: the longest in it; a
+        # running run: the longest silent), then the longest in their status first.
+        pieces = [Run.objects.filter(part).order_by(*(ordering or order)).values(*fields)[:limit]
+                  for part, ordering in zip(parts, RUN_STUCK_PART_ORDERINGS)]
+        stuck = pieces[0].union(*pieces[1:], all=True).order_by(*order)[:limit]
+    else:  # SQLite cannot order its parts: one query over the rule (a small embedded database)
+        stuck = Run.objects.filter(run_stuck_q(now=now)).order_by(*order).values(*fields)[:limit]
     stuck_rows = [
         {"id": row["id"], "name": row["name"], "status": row["status"], "status_reason": row["status_reason"],
          "in_status_s": _age_s(row["status_changed_at"], now), "heartbeat_age_s": _age_s(row["last_heartbeat"], now),
          "url": _change("runs_run", row["id"])}
-        for row in stuck.order_by("status_changed_at", "id").values(
-            "id", "name", "status", "status_reason", "status_changed_at", "last_heartbeat")[:limit]
+        for row in stuck
     ]
     return {
-        "by_status": {state: by_status.get(state, 0) for state in LIVE_RUN_STATES},
+        "by_status": by_status,
         "live": sum(by_status.values()),
-        "stuck_count": stuck.count(),
+        "stuck_count": min(stuck_count, count_limit),
         "stuck": stuck_rows,
+        "count_limit": count_limit,
+        "bounded": bounded,
     }
 
 
@@ -222,6 +253,8 @@ def dashboard_snapshot(*, now=None, limit: int = 20) -> dict[str, Any]:
     return {
         "at": now.isoformat(),
         "metrics": metrics,
+        # Figures that reached their bound: at least this many (shown "1000+").
+        "bounded": runs["bounded"],
         "links": links,
         "queue": queue,
         "runs": runs,

@@ -3,6 +3,7 @@ change only through ``jobs.services``, ``jobs.commands`` and ``jobs.sessions``).
 are requeued, failed or cancelled by the runbook actions ``jobs.runbooks`` registers."""
 
 from datetime import timedelta
+from functools import lru_cache
 
 from django import forms
 from django.conf import settings
@@ -15,9 +16,11 @@ from django.db.models import OuterRef, Q, Subquery
 from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 
 from core.admin import ProjectAdmin, ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, recent_filter, top_values_filter
+from core.admin_rows import cell_truncated, duration_label, html_text
 from core.admin_scale import ScaledListMixin
 from core.errors import DomainError
 from core.runbooks import RunbookForm, describe_error
@@ -43,6 +46,12 @@ from jobs.selectors import jobs_wait_explain, run_jobs_not_started
 from jobs.services import queue_pause, queue_resume
 
 RUN_WAITING_JOBS_LIMIT = 5
+
+
+@lru_cache(maxsize=1)
+def run_change_url_prefix() -> str:
+    """The run change page's URL up to the run's id (reversed once, not once per row)."""
+    return reverse("admin:runs_run_change", args=[0])[:-len("0/change/")]
 
 
 class ProjectListFilter(admin.RelatedFieldListFilter):
@@ -161,8 +170,10 @@ class JobStuckFilter(admin.SimpleListFilter):
 
 @admin.register(Job)
 class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
-    list_display = ("id", "type", "project", "live_state", "reason", "priority_class", "priority", "lane",
-                    "attempts", "max_attempts", "worker", "age", "run_id", "created_at", "completed_at")
+    # An incident's list (issue 19): state with its reason, type, lane, attempts, how long it
+    # waited (or waits) for a worker, its run; one line per row at 1,280 px (core.admin_rows).
+    list_display = ("id", "job_type", "state_and_reason", "lane_name", "attempts_of", "wait", "age", "run",
+                    "worker_name")
     # Type and reason offer the values of the latest jobs (not a DISTINCT over the whole table);
     # their parameters are the stock filter's (type__exact=, reason__exact=), as the dashboard links.
     list_filter = ("state", JobStuckFilter, top_values_filter("type", "type", parameter="type__exact"),
@@ -190,16 +201,59 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
 
     @admin.display(description="state", ordering="state")
     def live_state(self, job):
-        return format_html('<span class="status-badge" data-live="job-state" data-job="{}" data-value="{}">{}</span>',
-                           job.pk, job.state, job.state)
+        state = html_text(job.state)
+        return mark_safe(f'<span class="status-badge" data-live="job-state" data-job="{job.pk:d}" '
+                         f'data-value="{state}">{state}</span>')
 
-    @admin.display(description="age")
+    # --- list columns ---------------------------------------------------------------------
+    @admin.display(description="type", ordering="type")
+    def job_type(self, job):
+        return cell_truncated(job.type, css="cell-truncate cell-narrow")
+
+    @admin.display(description="state · reason", ordering="state")
+    def state_and_reason(self, job):
+        badge = self.live_state(job)
+        if not job.reason:
+            return badge
+        reason = html_text(job.reason)
+        title = html_text(job.error[:300]) if job.error else reason
+        return mark_safe(f'{badge}<span class="cell-sub" title="{title}">{reason}</span>')
+
+    @admin.display(description="lane", ordering="lane")
+    def lane_name(self, job):
+        return cell_truncated(job.lane, css="cell-truncate cell-narrow")
+
+    @admin.display(description="attempts")
+    def attempts_of(self, job):
+        return f"{job.attempts}/{job.max_attempts}"
+
+    @admin.display(description="wait")
+    def wait(self, job):
+        """How long the job waited for a worker: from queued to started, or until now while it waits."""
+        queued = job.queued_at or job.created_at
+        if job.started_at is not None:
+            return duration_label((job.started_at - queued).total_seconds())
+        if job.is_terminal or queued is None:
+            return "—"
+        return duration_label((timezone.now() - queued).total_seconds())
+
+    @admin.display(description="run", ordering="run_id")
+    def run(self, job):
+        if job.run_id is None:
+            return ""
+        return mark_safe(f'<a href="{run_change_url_prefix()}{job.run_id:d}/change/">{job.run_id:d}</a>')
+
+    @admin.display(description="worker", ordering="worker")
+    def worker_name(self, job):
+        return cell_truncated(job.worker, css="cell-truncate cell-narrow")
+
+    @admin.display(description="in state")
     def age(self, job):
         """How long the job has been in its current phase (executing, or waiting since queued)."""
         if job.is_terminal:
             return "—"
         since = job.started_at if job.state == JobState.EXECUTING else (job.queued_at or job.created_at)
-        return f"{int((timezone.now() - since).total_seconds())} s" if since else "—"
+        return duration_label((timezone.now() - since).total_seconds()) if since else "—"
 
 
 @admin.register(JobLane)

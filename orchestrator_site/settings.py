@@ -368,6 +368,9 @@ ORCHESTRATOR_API_COUNT_LIMIT = env_int("ORCHESTRATOR_API_COUNT_LIMIT", 10_000)
 # ORCHESTRATOR_ADMIN_MAX_PAGES pages; older rows are read by keyset ("older →" links).
 ORCHESTRATOR_ADMIN_COUNT_LIMIT = env_int("ORCHESTRATOR_ADMIN_COUNT_LIMIT", 10_000)
 ORCHESTRATOR_ADMIN_MAX_PAGES = env_int("ORCHESTRATOR_ADMIN_MAX_PAGES", 100)
+# The dashboard counts live runs by status and stuck runs up to this many each ("1,000+" beyond),
+# so that its cost does not follow the number of live runs.
+ORCHESTRATOR_DASHBOARD_COUNT_LIMIT = env_int("ORCHESTRATOR_DASHBOARD_COUNT_LIMIT", 1_000)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Orchestrator Console API",
     "DESCRIPTION": "Runs, jobs, credits and events of the run orchestrator. Errors are "

@@ -14,11 +14,14 @@ from collections import defaultdict
 from django.contrib import admin
 from django.db.models import Q
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.safestring import mark_safe
 from django.utils.text import smart_split, unescape_string_literal
 
 from billing.models import LedgerEntry
 from core.admin import ReadOnlyAdmin, ReadOnlyInline
+from core.admin_rows import cell_since, cell_truncated, duration_label, html_text
 from core.admin_scale import ScaledListMixin
 from core.admin_runbooks import (
     RunbookAdminMixin,
@@ -28,6 +31,7 @@ from core.admin_runbooks import (
 from core.models import AuditRecord, Event, Project
 from jobs.admin import ProjectListFilter, projects_with_organizations, run_waiting_jobs_html
 from runs.models import (
+    SETTLED_RUN_STATES,
     Agent,
     ApprovalRequest,
     Artifact,
@@ -75,9 +79,10 @@ class ApprovalRequestInline(ReadOnlyInline):
 def live_badge(kind: str, object_id, value: str, *, scope: bool = False):
     """A status that the live admin script keeps current (see core/static/orchestrator/live.js)."""
     key = "run" if kind == "run-status" else "job"
-    return format_html('<span class="status-badge" data-live="{}" data-{}="{}" data-value="{}"{}>{}</span>',
-                       kind, key, object_id, value,
-                       format_html(' data-live-scope-run="{}"', object_id) if scope else "", value)
+    object_id, value = html_text(object_id), html_text(value)
+    scoped = f' data-live-scope-run="{object_id}"' if scope else ""
+    return mark_safe(f'<span class="status-badge" data-live="{kind}" data-{key}="{object_id}" data-value="{value}"'
+                     f'{scoped}>{value}</span>')
 
 
 # --- list filters -----------------------------------------------------------------------------
@@ -137,9 +142,12 @@ class PriorityFilter(admin.SimpleListFilter):
 
 @admin.register(Run)
 class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
-    list_display = ("id", "name", "project", "live_status", "status_reason", "priority", "attempt_number",
-                    "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "escalated",
-                    "last_heartbeat", "created_at")
+    # An incident's list (issue 19): status with its reason, the last error, how long in this
+    # status, how long the run took, its attempt, the credits charged of the limit, its project;
+    # one line per row at 1,280 px (long names cut, whole in the title). Each column is a value
+    # of the row or one format_html (core.admin_rows draws them without a query per row).
+    list_display = ("id", "run_name", "project_name", "status_and_reason", "error", "in_status", "duration",
+                    "attempt", "credits", "escalated")
     list_filter = ("status", StuckFilter, EscalatedFilter, "failure_mode", "organization",
                    ("project", ProjectListFilter), PriorityFilter,
                    top_values_filter("last_error_code", "error code"),
@@ -199,6 +207,58 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
             queryset = queryset.filter(matches)
         return queryset, False
 
+    # --- list columns ---------------------------------------------------------------------
+    @admin.display(description="name", ordering="name")
+    def run_name(self, run):
+        return cell_truncated(run.name)
+
+    @admin.display(description="project", ordering="project")
+    def project_name(self, run):
+        """The project's name, its organization in the title (the filter and search read both)."""
+        project = html_text(run.project.name)
+        return mark_safe(f'<span class="cell-truncate cell-narrow" title="{html_text(str(run.project))}">'
+                         f'{project}</span>')
+
+    @admin.display(description="status · reason", ordering="status")
+    def status_and_reason(self, run):
+        badge = self.live_status(run)
+        if not run.status_reason:
+            return badge
+        reason = html_text(run.status_reason)
+        return mark_safe(f'{badge}<span class="cell-sub" title="{reason}">{reason}</span>')
+
+    @admin.display(description="last error", ordering="last_error_code")
+    def error(self, run):
+        if not run.last_error_code:
+            return ""
+        return mark_safe(f'<span class="cell-truncate cell-narrow cell-error" '
+                         f'title="{html_text(run.last_error[:300] or run.last_error_code)}">'
+                         f'{html_text(run.last_error_code)}</span>')
+
+    @admin.display(description="in status", ordering="status_changed_at")
+    def in_status(self, run):
+        return cell_since(run.status_changed_at or run.created_at, timezone.now())
+
+    @admin.display(description="duration")
+    def duration(self, run):
+        """The whole run once it ended; how long it has been running so far while it is live."""
+        if run.duration_ms is not None:
+            return duration_label(run.duration_ms / 1000)
+        if run.started_at is None:
+            return "—"
+        ended = (run.status_changed_at or timezone.now()) if run.status in SETTLED_RUN_STATES else timezone.now()
+        return duration_label((ended - run.started_at).total_seconds())
+
+    @admin.display(description="attempt")
+    def attempt(self, run):
+        return f"{run.attempt_number}/{run.max_attempts}"
+
+    @admin.display(description="credits charged / limit")
+    def credits(self, run):
+        over = " cell-over" if run.credits_charged >= run.credit_limit else ""
+        return mark_safe(f'<span class="cell-figure{over}" title="reserved {run.credits_reserved:d}, refunded '
+                         f'{run.credits_refunded:d}">{run.credits_charged:d} / {run.credit_limit:d}</span>')
+
     # --- columns and fields ---------------------------------------------------------------
     @admin.display(description="status", ordering="status")
     def live_status(self, run):
@@ -214,9 +274,13 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
         return format_html('<span data-live="heartbeat" data-run="{}" data-ts="{}">{}</span>', run.pk, ts,
                            run.last_heartbeat or "never")
 
-    @admin.display(description="escalated", boolean=True)
+    @admin.display(description="incident")
     def escalated(self, run):
-        return getattr(run, "has_open_escalation", None)
+        """"open" while the run has an unresolved escalation ticket (nothing otherwise: a column of
+        "no" icons would hide the few that matter)."""
+        if not getattr(run, "has_open_escalation", False):
+            return ""
+        return mark_safe('<span class="status-badge" data-value="failed">open</span>')
 
     @admin.display(description="agents → tasks → steps")
     def hierarchy(self, run):

@@ -11,6 +11,8 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models.functions import Coalesce
+from django.db.models.lookups import GreaterThanOrEqual, IsNull, LessThan
 from django.utils import timezone
 
 from jobs.models import Job, JobState
@@ -53,6 +55,48 @@ def run_stuck_q(*, now=None) -> Q:
         | Q(status=Run.Status.RETRYING, status_changed_at__lt=before(settings.ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S))
     )
     return run_heartbeat_stale_q(now=now) | too_long
+
+
+# The order that walks each part of ``run_stuck_parts`` along its index (none: a bitmap of several).
+RUN_STUCK_PART_ORDERINGS = (("status", "status_changed_at"),) * 4 + (
+    (Coalesce("last_heartbeat", "status_changed_at").asc(),),
+    (Coalesce("last_heartbeat", "status_changed_at").asc(),),
+    (Coalesce("last_heartbeat", "status_changed_at").asc(),), ())
+
+
+def run_stuck_parts(*, now=None) -> list[Q]:
+    """``run_stuck_q`` as disjoint conditions (a stuck run matches exactly one, another run none),
+    each a range of one index, so that a stuck list or a bounded count reads only the runs it
+    counts: a waiting status past its timeout (``(status, status_changed_at)``); running with a
+    silent worker and no job waiting for one (the partial index of running runs by their last sign
+    of life: the heartbeat, or the status change of a run that never beat); running, started before
+    the running timeout, and either alive (the same index) or silent because its work waits in the
+    queue (found from the few waiting jobs)."""
+    now = now or timezone.now()
+
+    def before(seconds: int):
+        return now - timedelta(seconds=seconds)
+
+    waiting = [(Run.Status.PENDING, settings.ORCHESTRATOR_RUN_PENDING_TIMEOUT_S),
+               (Run.Status.PAUSED, settings.ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S),
+               (Run.Status.RESUMING, settings.ORCHESTRATOR_RUN_RESUMING_TIMEOUT_S),
+               (Run.Status.RETRYING, settings.ORCHESTRATOR_RUN_RETRYING_TIMEOUT_S)]
+    running = Q(status=Run.Status.RUNNING)
+    started_long_ago = running & Q(started_at__lt=before(settings.ORCHESTRATOR_RUN_RUNNING_TIMEOUT_S))
+    cutoff = before(settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S)
+    # ``run_heartbeat_stale_q``'s "silent": a heartbeat before the cutoff, or none and in status
+    # since before it. Its complement among running runs: alive, or neither time known (two
+    # ranges of the index, not one OR, so that each seeks).
+    sign_of_life = Coalesce("last_heartbeat", "status_changed_at")
+    silent = Q(LessThan(sign_of_life, cutoff))
+    queued = Q(_work_waiting_in_queue())
+    return [
+        *(Q(status=status, status_changed_at__lt=before(seconds)) for status, seconds in waiting),
+        running & silent & ~queued,
+        started_long_ago & Q(GreaterThanOrEqual(sign_of_life, cutoff)),
+        started_long_ago & Q(IsNull(sign_of_life, True)),
+        started_long_ago & silent & queued,
+    ]
 
 
 def run_escalated() -> Exists:

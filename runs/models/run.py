@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
 from core.models import Organization, Project
@@ -90,6 +91,10 @@ class Run(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["status", "status_changed_at"], name="run_status_changed_idx"),
             models.Index(fields=["project", "status"], name="run_project_status_idx"),
             models.Index(fields=["organization", "-id"], name="run_org_idx"),
+            # The API's runs of an organization (not deleted), newest first, and their bounded count:
+            # an index-only range, not a scan of the table under a limit.
+            models.Index(fields=["organization", "id"], name="run_alive_org_id_idx",
+                         condition=models.Q(deleted_at__isnull=True)),
             # The run list (newest first) filtered by status, project or error code: an index seek.
             models.Index(fields=["status", "id"], name="run_status_id_idx"),
             models.Index(fields=["project", "id"], name="run_project_id_idx"),
@@ -97,6 +102,13 @@ class Run(ConcurrentTransitionMixin, models.Model):
             # Live runs newest first: the "stuck" list walks only these.
             models.Index(fields=["id"], name="run_live_id_idx", condition=models.Q(
                 status__in=["pending", "running", "paused", "resuming", "retrying"])),
+            # Running runs by start and by last sign of life (the heartbeat, or the status change of a
+            # run that never beat): the "stuck" parts of the dashboard and its bounded counts read
+            # only the running runs past a timeout (runs.selectors.run_stuck_parts).
+            models.Index(fields=["started_at"], name="run_running_started_idx",
+                         condition=models.Q(status="running")),
+            models.Index(Coalesce("last_heartbeat", "status_changed_at"), name="run_running_silent_since_idx",
+                         include=["id", "started_at"], condition=models.Q(status="running")),
             # Runs not settled (the retention prune keeps their jobs and events): a few, found by index.
             models.Index(fields=["id"], name="run_unsettled_id_idx",
                          condition=~models.Q(status__in=["completed", "cancelled", "failed"])),

@@ -184,3 +184,20 @@ def test_the_lists_their_filters_and_deep_pages_seek_indexes(viewer_client, proj
             assert bounded or not re.search(r"Seq Scan on (runs_run|jobs_job|billing_ledgerentry)\b", plan), \
                 f"{url} {params}\n{query['sql']}\n{plan}"
     assert "about" in viewer_client.get(RUNS).context["cl"].paginator.count_label
+
+    # The dashboard's reads of runs (bounded counts by status and of each stuck part, the stuck
+    # list) seek indexes too: none reads the runs table, not even under a limit.
+    with CaptureQueriesContext(connection) as queries:
+        response = viewer_client.get(reverse("dashboard:data"))
+    assert response.status_code == 200
+    assert response.json()["metrics"]["runs-stuck"] > 0  # the seeded running runs are silent
+    explained = 0
+    for query in queries.captured_queries:
+        if 'FROM "runs_run"' not in query["sql"]:
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF) {query['sql']}")
+            plan = "\n".join(row[0] for row in cursor.fetchall())
+        assert not re.search(r"Seq Scan on runs_run\b", plan), f"dashboard\n{query['sql']}\n{plan}"
+        explained += 1
+    assert explained >= 3  # the counts, the stuck list, the failures by error code

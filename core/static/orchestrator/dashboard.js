@@ -100,11 +100,12 @@
   // --- figures ----------------------------------------------------------------------------
   function renderMetrics(snapshot) {
     var metrics = snapshot.metrics || {};
+    var bounded = snapshot.bounded || [];  // figures that reached the dashboard's count limit: "1000+"
     var figures = root.querySelectorAll("[data-metric]");
     for (var i = 0; i < figures.length; i++) {
       var name = figures[i].getAttribute("data-metric");
       if (!Object.prototype.hasOwnProperty.call(metrics, name)) { continue; }
-      var value = String(metrics[name]);
+      var value = String(metrics[name]) + (bounded.indexOf(name) >= 0 ? "+" : "");
       if (figures[i].textContent !== value) {
         figures[i].textContent = value;
         figures[i].classList.add("live-flash");
