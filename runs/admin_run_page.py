@@ -97,8 +97,18 @@ def task_graph_svg(agent: Agent, tasks: list[Task]) -> str:
     return "".join(parts)
 
 
-def _ago(moment) -> str:
-    return f"{timesince(moment, timezone.now())} ago" if moment else "—"
+def _ago(moment, now=None) -> str:
+    """``42 s ago``, ``7 min ago``, ``3 h 5 min ago``, ``2 days, 4 hours ago``."""
+    if not moment:
+        return "—"
+    seconds = max(0, int(((now or timezone.now()) - moment).total_seconds()))
+    if seconds < 60:
+        return f"{seconds} s ago"
+    if seconds < 3600:
+        return f"{seconds // 60} min ago"
+    if seconds < 86400:
+        return f"{seconds // 3600} h {seconds % 3600 // 60} min ago"
+    return f"{timesince(moment, now or timezone.now())} ago"
 
 
 class RunPageAdminMixin:
@@ -145,7 +155,6 @@ class RunPageAdminMixin:
             "finished": finished,
             "duration_s": round(run.duration_ms / 1000, 1) if run.duration_ms is not None else None,
             "held": run_held_credits(run),
-            "limit_share": (round(100 * run.credits_charged / run.credit_limit) if run.credit_limit else None),
             "last_error": (run.last_error[:300] + ("…" if len(run.last_error) > 300 else "")) if run.last_error else "",
             "escalated": getattr(run, "has_open_escalation", None),
             "escalations_url": reverse("admin:runs_escalationticket_changelist") + f"?run__id__exact={run.pk}",
