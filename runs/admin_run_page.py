@@ -152,6 +152,7 @@ class RunPageAdminMixin:
             "run": run,
             "age": _ago(run.created_at),
             "in_state": _ago(run.status_changed_at),
+            "heartbeat": _ago(run.last_heartbeat) if run.last_heartbeat else "never",
             "finished": finished,
             "duration_s": round(run.duration_ms / 1000, 1) if run.duration_ms is not None else None,
             "held": run_held_credits(run),

@@ -95,10 +95,19 @@ class TimelineItemSerializer(serializers.Serializer):
         return fields
 
 
+class TimelineCreditsSerializer(serializers.Serializer):
+    limit = serializers.IntegerField(help_text="credits reserved for each attempt")
+    reserved = serializers.IntegerField()
+    charged = serializers.IntegerField()
+    refunded = serializers.IntegerField()
+
+
 class TimelinePageSerializer(serializers.Serializer):
     run = serializers.IntegerField()
     status = serializers.ChoiceField(choices=Run.Status.choices, help_text="the run's status now")
+    status_reason = serializers.CharField(allow_blank=True)
     attempt_number = serializers.IntegerField(help_text="the run's current attempt")
+    credits = TimelineCreditsSerializer(help_text="the run's credits now")
     count = serializers.IntegerField(help_text="the run's tries, all pages")
     next = serializers.CharField(allow_null=True, help_text="the URL of the next page (null: the last page)")
     generated_at = serializers.DateTimeField(help_text="now, for drawing tries still running")
@@ -129,7 +138,10 @@ def timeline_page(run: Run, *, limit: int = TIMELINE_DEFAULT_LIMIT, after: tuple
     more = len(tries) > limit
     tries = tries[:limit]
     cursor = timeline_cursor_encode(tries[-1].started_at, tries[-1].pk) if more else None
-    return {"run": run.pk, "status": run.status, "attempt_number": run.attempt_number,
+    return {"run": run.pk, "status": run.status, "status_reason": run.status_reason,
+            "attempt_number": run.attempt_number,
+            "credits": {"limit": run.credit_limit, "reserved": run.credits_reserved, "charged": run.credits_charged,
+                        "refunded": run.credits_refunded},
             "count": run_step_try_count(run), "next": next_url(cursor) if cursor else None,
             "generated_at": _DATETIME.to_representation(timezone.now()),
             "items": [timeline_item(attempt) for attempt in tries]}

@@ -47,6 +47,8 @@ def test_one_item_per_try_ordered_with_the_retry_as_its_own_item(tenant):
     assert response.status_code == 200
     body = response.json()
     assert (body["run"], body["status"], body["attempt_number"], body["next"]) == (run.pk, "completed", 1, None)
+    assert body["credits"] == {"limit": run.credit_limit, "reserved": run.credits_reserved,
+                               "charged": run.credits_charged, "refunded": run.credits_refunded}
     items = body["items"]
     assert body["count"] == len(items) == StepAttempt.objects.filter(run=run).count() == 4
     keys = [(datetime.fromisoformat(item["started_at"].replace("Z", "+00:00")), item["id"]) for item in items]

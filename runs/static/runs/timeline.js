@@ -145,6 +145,18 @@
     box.setAttribute("data-loaded", String(Date.now()));
   }
 
+  function summarize(page) {
+    // The summary's credits follow the run (its status and reason follow the events in live.js).
+    var credits = page.credits;
+    if (!credits) { return; }
+    var values = {charged: credits.charged, reserved: credits.reserved, refunded: credits.refunded,
+      held: credits.reserved - credits.charged - credits.refunded};
+    Object.keys(values).forEach(function (name) {
+      var node = document.querySelector('#run-summary [data-credits="' + name + '"]');
+      if (node && node.textContent !== String(values[name])) { node.textContent = String(values[name]); }
+    });
+  }
+
   function fail(message) {
     box.textContent = "";
     var p = document.createElement("p");
@@ -167,11 +179,12 @@
         .then(function (body) {
           page.items = page.items.concat(body.items);
           page.count = body.count; page.status = body.status; page.generated_at = body.generated_at;
+          page.credits = body.credits;
           if (body.next && page.items.length < MAX_TRIES) { return next(body.next); }
           return page;
         });
     }
-    next(url).then(function (result) { data = result; draw(); }, function (error) { fail(error.message); })
+    next(url).then(function (result) { data = result; draw(); summarize(result); }, function (error) { fail(error.message); })
       .then(function () {
         loading = false;
         if (again) { again = false; schedule(); }
