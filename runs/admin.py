@@ -57,8 +57,9 @@ class RunAttemptInline(ReadOnlyInline):
 class EscalationInline(ReadOnlyInline):
     model = EscalationTicket
     classes = ["collapse"]
-    fields = ("trigger", "status", "severity", "detail", "created_at", "acknowledged_by", "acknowledged_at",
-              "resolved_by", "resolved_at", "resolution")
+    # The ticket's own page has the times of acknowledgement and resolution: the run page keeps to its width.
+    fields = ("trigger", "status", "severity", "detail", "created_at", "acknowledged_by", "resolved_by",
+              "resolution")
     readonly_fields = fields
 
     def get_queryset(self, request):
