@@ -90,9 +90,8 @@ class TimelineItemSerializer(serializers.Serializer):
     error_code = serializers.CharField(allow_blank=True)
 
     def get_fields(self):
-        fields = super().get_fields()
-        fields["try"] = fields.pop("try_number")  # ``try`` is a Python keyword
-        return fields
+        # ``try`` is a Python keyword: declared as ``try_number``, named ``try`` in its place.
+        return {"try" if name == "try_number" else name: field for name, field in super().get_fields().items()}
 
 
 class TimelineCreditsSerializer(serializers.Serializer):
