@@ -124,7 +124,8 @@ class RunPageAdminMixin:
 
     def timeline_view(self, request, object_id):
         """A page of the run's step tries, as the API's timeline; the view permission suffices."""
-        run = Run.objects.filter(pk=object_id).defer("plan").first() if str(object_id).isdigit() else None
+        run = (self.get_queryset(request).filter(pk=object_id).defer("plan").first()
+               if str(object_id).isdigit() and int(object_id) < 2**63 else None)
         if run is None:
             raise Http404(f"run {unquote(object_id)} does not exist")
         if not self.has_view_permission(request, run):
