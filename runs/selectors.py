@@ -101,9 +101,10 @@ def run_hierarchy(run: Run) -> tuple[list[Agent], dict[int, list[Task]], dict[in
 
 
 TIMELINE_FIELDS = ("id", "run_id", "step_id", "number", "outcome", "cost", "retryable", "error_code", "started_at",
-                   "finished_at", "step__name", "step__kind", "step__tool", "step__sequence", "step__task_id",
-                   "step__task__name", "step__task__sequence", "step__task__agent_id", "step__task__agent__name",
-                   "step__task__agent__attempt_number", "step__task__agent__sequence")
+                   "finished_at", "step__name", "step__kind", "step__tool", "step__sequence", "step__status",
+                   "step__task_id", "step__task__name", "step__task__sequence", "step__task__status",
+                   "step__task__agent_id", "step__task__agent__name", "step__task__agent__attempt_number",
+                   "step__task__agent__sequence", "step__task__agent__status")  # (the status machines read status)
 
 
 def run_step_tries(run: Run, *, after: tuple | None = None, limit: int = 500) -> list[StepAttempt]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 
 from billing.models import LedgerEntry
 from runs import services
@@ -98,6 +100,11 @@ def test_pages_follow_the_cursor_and_unknown_parameters_are_harmless(tenant):
     run = finished_run(tenant, make_plan(steps=7))
     whole = timeline(tenant, run.pk, nonsense="1", ordering="-id").json()
     assert whole["count"] == 7 and len(whole["items"]) == 7
+    with CaptureQueriesContext(connection) as one:
+        assert len(timeline(tenant, run.pk, limit=1).json()["items"]) == 1
+    with CaptureQueriesContext(connection) as seven:
+        assert len(timeline(tenant, run.pk).json()["items"]) == 7
+    assert len(seven) == len(one)  # the tries, with their step, task and agent, in one query
 
     seen, url = [], None
     response = timeline(tenant, run.pk, limit=3)

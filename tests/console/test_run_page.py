@@ -103,6 +103,15 @@ def test_the_run_page_queries_do_not_grow_with_the_run(viewer_client, project):
     assert big_html.count('<svg class="task-graph"') == 3 and 'id="run-gantt"' in small_html
     assert big_queries == small_queries
 
+    # and the chart's data: one query for the tries however many there are
+    def timeline_queries(run):
+        with CaptureQueriesContext(connection) as queries:
+            body = viewer_client.get(reverse("admin:runs_run_timeline", args=[run.pk])).json()
+        return len(queries), body["count"]
+
+    assert timeline_queries(small)[1] == 2 and timeline_queries(big)[1] == 20
+    assert timeline_queries(big)[0] == timeline_queries(small)[0]
+
 
 def test_the_pages_timeline_is_the_apis_for_anyone_who_may_view_the_run(viewer_client, login, make_staff, project):
     run = build_run(project, "completed", name="tries")
