@@ -30,6 +30,7 @@ from core.admin_runbooks import (
 )
 from core.models import AuditRecord, Event, Project
 from jobs.admin import ProjectListFilter, projects_with_organizations, run_waiting_jobs_html
+from runs.admin_run_page import RunPageAdminMixin, run_hierarchy_cached
 from runs.models import (
     SETTLED_RUN_STATES,
     Agent,
@@ -43,7 +44,7 @@ from runs.models import (
     Task,
 )
 from runs.pipeline.admin import RunPipelineAdminMixin
-from runs.selectors import run_escalated, run_hierarchy, run_stuck_q
+from runs.selectors import run_escalated, run_stuck_q
 
 TIMELINE_LIMIT = 50
 
@@ -59,8 +60,10 @@ class RunAttemptInline(ReadOnlyInline):
 
 class EscalationInline(ReadOnlyInline):
     model = EscalationTicket
-    fields = ("trigger", "status", "severity", "detail", "created_at", "acknowledged_by", "acknowledged_at",
-              "resolved_by", "resolved_at", "resolution")
+    classes = ["collapse"]
+    # The ticket's own page has the times of acknowledgement and resolution: the run page keeps to its width.
+    fields = ("trigger", "status", "severity", "detail", "created_at", "acknowledged_by", "resolved_by",
+              "resolution")
     readonly_fields = fields
 
     def get_queryset(self, request):
@@ -69,6 +72,7 @@ class EscalationInline(ReadOnlyInline):
 
 class ApprovalRequestInline(ReadOnlyInline):
     model = ApprovalRequest
+    classes = ["collapse"]
     fields = ("attempt_number", "gate", "status", "requested_at", "approval_ref", "approved_by", "approved_at")
     readonly_fields = fields
 
@@ -141,7 +145,7 @@ class PriorityFilter(admin.SimpleListFilter):
 # --- runs -------------------------------------------------------------------------------------
 
 @admin.register(Run)
-class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
+class RunAdmin(ScaledListMixin, RunPageAdminMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOnlyAdmin):
     # An incident's list (issue 19): status with its reason, the last error, how long in this
     # status, how long the run took, its attempt, the credits charged of the limit, its project;
     # one line per row at 1,280 px (long names cut, whole in the title). Each column is a value
@@ -156,26 +160,33 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
     search_fields = ("name", "=id", "last_error_code", "project__name", "organization__name")
     list_defer = ("plan",)
     inlines = [RunAttemptInline, EscalationInline, ApprovalRequestInline]
+    # The summary at the top (status, error, age, credits, runbooks) is the page's template
+    # (``admin/runs/run_change_form.html``); below it the pictures, then the long sections, collapsed.
     fieldsets = [
-        (None, {"fields": ("name", "organization", "project", "live_status_scoped", "status_reason", "priority",
-                           "failure_mode", "max_agents", "attempt_number", "max_attempts", "created_by")}),
-        ("Credits", {"fields": ("credit_limit", "credits_reserved", "credits_charged", "credits_refunded")}),
+        ("Timeline", {"fields": ("gantt",), "classes": ("run-wide",)}),
+        ("Task graph", {"fields": ("task_graph",), "classes": ("run-wide",)}),
+        ("Run", {"fields": ("name", "organization", "project", "live_status_scoped", "status_reason", "priority",
+                            "failure_mode", "max_agents", "attempt_number", "max_attempts", "created_by"),
+                 "classes": ("collapse",)}),
+        ("Credits", {"fields": ("credit_limit", "credits_reserved", "credits_charged", "credits_refunded"),
+                     "classes": ("collapse",)}),
         ("Errors and timing", {"fields": ("last_error_code", "last_error", "heartbeat", "created_at",
                                           "status_changed_at", "started_at", "completed_at", "cancelled_at",
-                                          "duration_ms", "replan_count", "deleted_at")}),
-        ("Agents → tasks → steps", {"fields": ("hierarchy",)}),
-        ("Gated pipeline", {"fields": ("pipeline_record",)}),
-        ("Queued jobs: why is this waiting?", {"fields": ("waiting_jobs",)}),
-        ("Ledger", {"fields": ("ledger_entries",)}),
-        ("Timeline", {"fields": ("recent_events", "audit_trail")}),
-        ("Plan", {"fields": ("plan",), "classes": ("collapse",)}),
+                                          "duration_ms", "replan_count", "deleted_at"), "classes": ("collapse",)}),
+        ("Agents → tasks → steps", {"fields": ("hierarchy",), "classes": ("collapse", "run-wide")}),
+        ("Gated pipeline", {"fields": ("pipeline_record",), "classes": ("collapse", "run-wide")}),
+        ("Queued jobs: why is this waiting?", {"fields": ("waiting_jobs",), "classes": ("collapse", "run-wide")}),
+        ("Ledger", {"fields": ("ledger_entries",), "classes": ("collapse", "run-wide")}),
+        ("Latest events and audit trail", {"fields": ("recent_events", "audit_trail"),
+                                           "classes": ("collapse", "run-wide")}),
+        ("Plan", {"fields": ("plan",), "classes": ("collapse", "run-wide")}),
     ]
     readonly_fields = ("name", "organization", "project", "live_status_scoped", "status_reason", "priority",
                        "failure_mode", "max_agents", "attempt_number", "max_attempts", "created_by", "credit_limit",
                        "credits_reserved", "credits_charged", "credits_refunded", "last_error_code", "last_error",
                        "heartbeat", "created_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
                        "duration_ms", "replan_count", "deleted_at", "hierarchy", "recent_events", "audit_trail", "plan",
-                       "waiting_jobs", "pipeline_record", "ledger_entries")
+                       "waiting_jobs", "pipeline_record", "ledger_entries", "gantt", "task_graph")
 
     def get_queryset(self, request):
         # The run page reads organization, project and creator: one join instead of a query each.
@@ -285,7 +296,7 @@ class RunAdmin(ScaledListMixin, RunPipelineAdminMixin, RunbookAdminMixin, ReadOn
     @admin.display(description="agents → tasks → steps")
     def hierarchy(self, run):
         """Every attempt's tree, in three queries whatever its size."""
-        agents, tasks, steps = run_hierarchy(run)
+        agents, tasks, steps = run_hierarchy_cached(run)
         if not agents:
             return "no agents yet (they are created when the run starts running)"
         by_attempt = defaultdict(list)

@@ -16,7 +16,7 @@ from django.db.models.lookups import GreaterThanOrEqual, IsNull, LessThan
 from django.utils import timezone
 
 from jobs.models import Job, JobState
-from runs.models import Agent, EscalationTicket, GateReceipt, Run, RunAttempt, Step, Task
+from runs.models import Agent, EscalationTicket, GateReceipt, Run, RunAttempt, Step, StepAttempt, Task
 
 
 def _work_waiting_in_queue() -> Exists:
@@ -142,3 +142,27 @@ def run_hierarchy(run: Run) -> tuple[list[Agent], dict[int, list[Task]], dict[in
             "last_error_code", "last_error").order_by("task_id", "sequence", "pk"):
         steps[step.task_id].append(step)
     return agents, tasks, steps
+
+
+TIMELINE_FIELDS = ("id", "run_id", "step_id", "number", "outcome", "cost", "retryable", "error_code", "started_at",
+                   "finished_at", "step__name", "step__kind", "step__tool", "step__sequence", "step__status",
+                   "step__task_id", "step__task__name", "step__task__sequence", "step__task__status",
+                   "step__task__agent_id", "step__task__agent__name", "step__task__agent__attempt_number",
+                   "step__task__agent__sequence", "step__task__agent__status")  # (the status machines read status)
+
+
+def run_step_tries(run: Run, *, after: tuple | None = None, limit: int = 500) -> list[StepAttempt]:
+    """The run's step tries (every attempt of every step, across run attempts and re-plans), ordered
+    by start then id, with their step, task and agent: one query, at most ``limit`` rows after the
+    keyset ``after`` = ``(started_at, id)`` of the last row already read."""
+    queryset = (StepAttempt.objects.filter(run_id=run.pk).select_related("step__task__agent")
+                .only(*TIMELINE_FIELDS).order_by("started_at", "pk"))
+    if after is not None:
+        started_at, pk = after
+        queryset = queryset.filter(Q(started_at__gt=started_at) | Q(started_at=started_at, pk__gt=pk))
+    return list(queryset[:limit])
+
+
+def run_step_try_count(run: Run) -> int:
+    """How many step tries the run has (all attempts)."""
+    return StepAttempt.objects.filter(run_id=run.pk).count()

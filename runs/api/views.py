@@ -45,6 +45,7 @@ from runs.api.serializers import (
     RunDetailSerializer,
     RunSerializer,
 )
+from runs.api.timeline import TimelinePageSerializer, TimelineQuerySerializer, timeline_page
 from runs.models import EscalationTicket, Run
 from runs.pipeline.sidecar import sidecar_build
 from runs.services import escalations
@@ -111,7 +112,7 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
 
     def get_queryset(self):
         queryset = super().get_queryset()
-        return queryset.defer("plan") if self.action == "list" else queryset  # plans can be large
+        return queryset.defer("plan") if self.action in ("list", "timeline") else queryset  # plans can be large
 
     def get_serializer_class(self):
         return RunDetailSerializer if self.action == "retrieve" else RunSerializer
@@ -282,6 +283,25 @@ class RunViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiViewSet):
         run = self.get_object()
         return Response(event_page(request, events_visible(request).filter(run_id=run.pk),
                                    **query.validated_data))
+
+    @extend_schema(description=("One item per step try — every try of every step, across the run's attempts and "
+                                "re-plans (a retried step once per try) — with its agent, task, step, run attempt, "
+                                "try number, status, start and finish, duration, credits charged and error code, "
+                                "ordered by start then id. A big run is read in pages of `limit` tries (500 by "
+                                "default, at most 2,000): `next` links to the following page (a keyset cursor) and "
+                                "is null on the last one; `count` is the run's number of tries."),
+                   summary="The run's timeline: one item per step try, in start order",
+                   parameters=[TimelineQuerySerializer],
+                   responses={200: TimelinePageSerializer, **errors("validation_error", "not_found")})
+    @action(detail=True, methods=["get"], pagination_class=None, filterset_class=None)
+    def timeline(self, request, pk=None):
+        query = TimelineQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        run = self.get_object()
+        base = request.build_absolute_uri(request.path)
+        limit = query.validated_data["limit"]
+        return Response(timeline_page(run, limit=limit, after=query.validated_data.get("cursor"),
+                                      next_url=lambda cursor: f"{base}?limit={limit}&cursor={cursor}"))
 
 
 def _require_authority(request, target: Run | EscalationTicket, permission: str, what: str) -> None:

@@ -132,3 +132,64 @@ def test_seed_demo_dry_run_lists_what_it_would_create_and_creates_nothing(db):
     out = StringIO()
     call_command("seed_demo", "--dry-run", stdout=out)
     assert json.loads(out.getvalue())["would_create"] == []  # idempotent: nothing left to create
+
+
+# --- the showcases: a re-plan that heals, a paused queue, a bulk retry -------------------------
+
+def test_seed_demo_pauses_the_nightly_queue_and_the_dashboard_says_why(demo_org, client):
+    from django.contrib.auth import get_user_model
+
+    from jobs.models import QueuePause
+
+    pause = QueuePause.objects.get(project__organization=demo_org)
+    assert (pause.project.name, pause.reason, pause.actor_label) == (demo.PAUSED_PROJECT, demo.PAUSED_REASON,
+                                                                     "operator")
+    assert pause.project not in demo.demo_projects(demo_org)  # the stream's ordinary runs go elsewhere
+    client.force_login(get_user_model().objects.get(username="operator"))
+    html = client.get("/admin/dashboard/").content.decode()
+    assert "data-paused-queue=" in html and demo.PAUSED_REASON in html
+
+
+def test_the_showcase_heals_a_replanned_run_and_keeps_a_run_waiting_in_the_paused_queue(demo_org):
+    beat = demo.demo_showcase(organization=demo_org)
+    assert len(beat.did) == 2, beat.did
+    healing = Run.objects.get(name=demo.HEALS_NAME)
+    waiting = Run.objects.get(name=demo.WAITING_NAME)
+    assert waiting.project.name == demo.PAUSED_PROJECT
+    drain_jobs(until=lambda: Run.objects.get(pk=healing.pk).status == Run.Status.COMPLETED, timeout=60)
+
+    healing.refresh_from_db()
+    assert (healing.status, healing.replan_count, healing.last_error_code) == (Run.Status.COMPLETED, 1, "")
+    assert healing.agents.filter(name="solo/flaky~replan1", status="completed").exists()
+    assert healing.agents.filter(name="solo", status="failed").exists()
+    # the paused queue kept the waiting run's job queued: nothing claimed it
+    waiting.refresh_from_db()
+    assert waiting.status == Run.Status.PENDING
+    assert set(Job.objects.filter(run_id=waiting.pk).values_list("state", flat=True)) == {"queued"}
+    # a second beat adds nothing while both are on show
+    assert demo.demo_showcase(organization=demo_org).did == []
+    assert invariants_check() == []
+
+
+def test_the_showcase_bulk_retries_the_failed_runs_as_a_tracked_operation(demo_org):
+    from core.bulk import bulk_operation_process
+    from core.models import AuditRecord, BulkOperation
+
+    project = demo.demo_projects(demo_org)[0]
+    failing = [demo._start(project, demo.FAILING_NAME, demo.PLAN_FAILING, actor=None, max_attempts=2)
+               for _ in range(2)]
+    ids = [run.pk for run in failing]
+    drain_jobs(until=lambda: Run.objects.filter(pk__in=ids, status=Run.Status.FAILED).count() == 2, timeout=60)
+
+    beat = demo.demo_showcase(organization=demo_org)
+    operation = BulkOperation.objects.get()
+    assert f"bulk operation {operation.pk}: retrying the 2 failed runs" in beat.did[-1]
+    assert (operation.runbook, operation.query, operation.total) == ("runs.run.retry", demo.BULK_QUERY, 2)
+    operation = bulk_operation_process(operation_id=operation.pk)  # what the worker's task does
+    assert (operation.status, operation.done, operation.skipped, operation.refused) == ("finished", 2, 0, 0)
+    assert set(Run.objects.filter(pk__in=ids).values_list("attempt_number", flat=True)) == {2}
+    reasons = AuditRecord.objects.filter(action="run_retry", target_id__in=[str(pk) for pk in ids])
+    assert {record.reason for record in reasons} == {f"{demo.BULK_REASON} (bulk operation {operation.pk})"}
+    # no second bulk retry while the last one is recent
+    assert not any("bulk operation" in line for line in demo.demo_showcase(organization=demo_org).did)
+    assert BulkOperation.objects.count() == 1

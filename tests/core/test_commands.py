@@ -21,6 +21,7 @@ from django.db import DatabaseError, connection, transaction
 from billing.models import LedgerEntry
 from billing.selectors import account_balance
 from core.models import AuditRecord, Membership, Organization, Project
+from jobs.models import QueuePause
 from runs import services
 from runs.invariants import invariants_check
 from runs.models import Run
@@ -195,7 +196,9 @@ def test_seed_demo_is_idempotent(settings):
     assert snapshot() == seeded
     organization = Organization.objects.get(pk=first["organization"])
     assert organization.name == "Demo Org"
-    assert sorted(p.name for p in organization.projects.all()) == ["default", "research"]
+    # the third project shows a paused queue (once: seeding again neither pauses nor resumes it)
+    assert sorted(p.name for p in organization.projects.all()) == ["default", "nightly", "research"]
+    assert list(QueuePause.objects.values_list("project__name", flat=True)) == ["nightly"]
     assert Run.objects.filter(project__organization=organization, status=Run.Status.CREATED).count() == 3
     user = get_user_model().objects.get(username="operator")
     assert user.is_staff and user.is_superuser and user.check_password("demo-pass")

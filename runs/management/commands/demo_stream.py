@@ -1,8 +1,9 @@
 """``demo_stream [--interval S] [--max-active N] [--once]``: keep the demo console alive.
 
 Every ``--interval`` seconds one beat of ``runs.demo.demo_tick``: most runs complete, some fail
-retryably, one waits at an approval gate, one is stuck for the recovery runbook. Stops cleanly on
-Ctrl-C or SIGTERM. Needs ``seed_demo`` first.
+retryably, one waits at an approval gate, one is stuck for the recovery runbook; then
+``runs.demo.demo_showcase``: a re-plan that heals, a run waiting in a paused queue, a bulk retry
+of the failed runs. Stops cleanly on Ctrl-C or SIGTERM. Needs ``seed_demo`` first.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from django.db import close_old_connections
 
 from core.errors import DomainError
 from core.models import Organization
-from runs.demo import DEMO_ORGANIZATION, demo_tick
+from runs.demo import DEMO_ORGANIZATION, demo_showcase, demo_tick
 
 
 class Command(BaseCommand):
@@ -43,6 +44,7 @@ class Command(BaseCommand):
             close_old_connections()
             try:
                 beat = demo_tick(organization=organization, actor=actor, max_active=options["max_active"])
+                beat.did += demo_showcase(organization=organization, actor=actor).did
                 for line in beat.did:
                     self.stdout.write(f"demo: {line}")
             except DomainError as exc:  # e.g. the queue is full: try again on the next beat

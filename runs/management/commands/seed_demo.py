@@ -1,4 +1,7 @@
-"""``seed_demo``: a demo organization with credits, two projects, an operator login and runs.
+"""``seed_demo``: a demo organization with credits, three projects, an operator login and runs.
+
+The third project, ``nightly``, is made with its queue paused (a reason, by the operator): the
+dashboard lists it, and ``demo_stream`` keeps a run waiting in it.
 
 Idempotent: running it again keeps what exists. The operator login is made (staff, superuser,
 the given password) only when no user of that name exists: an existing user keeps its password,
@@ -17,6 +20,8 @@ from billing.services import MAX_AMOUNT, account_topup, organization_create
 from core.management.base import RunbookCommand, whole_number
 from core.models import Organization, Project
 from core.services import project_create
+from jobs.services import queue_pause
+from runs.demo import PAUSED_PROJECT, PAUSED_REASON
 from runs.models import Run
 from runs.services import run_create
 
@@ -100,6 +105,10 @@ class Command(RunbookCommand):
         if not Project.objects.filter(organization=organization, name="research").exists():
             project_create(organization=organization, name="research", actor=actor)
             created.append("project 'research'")
+        if not Project.objects.filter(organization=organization, name=PAUSED_PROJECT).exists():
+            nightly = project_create(organization=organization, name=PAUSED_PROJECT, actor=actor)
+            queue_pause(project_id=nightly.pk, actor=actor, reason=PAUSED_REASON)
+            created.append(f"project {PAUSED_PROJECT!r} with its queue paused")
         # Read the balance afresh: ``organization.credit_account`` may be the instance cached when
         # the account was opened, from before the initial top-up.
         if account_balance(organization_id=organization.pk)["available"] < 1000:
