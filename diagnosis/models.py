@@ -77,7 +77,7 @@ class Suggestion(ConcurrentTransitionMixin, models.Model):
 
     class Status(models.TextChoices):
         PENDING = "pending", "Working on it"
-        READY = "ready", "Ready"
+        READY = "ready"
         FAILED = "failed", "Not available"
 
     id = models.BigAutoField(primary_key=True)

@@ -15,14 +15,14 @@ from core.models import Organization, Project
 
 
 class JobState(models.TextChoices):
-    RECEIVED = "received", "Received"
-    QUEUED = "queued", "Queued"
-    EXECUTING = "executing", "Executing"
+    RECEIVED = "received"
+    QUEUED = "queued"
+    EXECUTING = "executing"
     AWAITING_TOOL = "awaiting_tool", "Awaiting tool (retry wait)"
     AWAITING_USER_CONFIRMATION = "awaiting_user_confirmation", "Awaiting user confirmation"
-    COMPLETED = "completed", "Completed"
-    FAILED = "failed", "Failed"
-    CANCELLED = "cancelled", "Cancelled"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 S = JobState
@@ -70,8 +70,8 @@ class JobReason(models.TextChoices):
 
 
 class PriorityClass(models.TextChoices):
-    INTERACTIVE = "interactive", "Interactive"
-    BACKGROUND = "background", "Background"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
 
 
 class Job(ConcurrentTransitionMixin, models.Model):
@@ -244,8 +244,8 @@ class CommandKind(models.TextChoices):
 
 class CommandStatus(models.TextChoices):
     RECORDED = "recorded", "Recorded (no result yet)"
-    SUCCEEDED = "succeeded", "Succeeded"
-    FAILED = "failed", "Failed"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
 
 
 class CommandRecord(models.Model):
@@ -289,8 +289,8 @@ class Deployment(models.Model):
     """A deployment made by the reference ``DatabaseAdapter`` (one per creating idempotency key)."""
 
     class Status(models.TextChoices):
-        ACTIVE = "active", "Active"
-        STOPPED = "stopped", "Stopped"
+        ACTIVE = "active"
+        STOPPED = "stopped"
 
     id = models.BigAutoField(primary_key=True)
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="deployments")
@@ -316,12 +316,12 @@ class Order(models.Model):
     """An order placed by the reference ``DatabaseAdapter`` (one per placing idempotency key)."""
 
     class Side(models.TextChoices):
-        BUY = "buy", "Buy"
-        SELL = "sell", "Sell"
+        BUY = "buy"
+        SELL = "sell"
 
     class Status(models.TextChoices):
-        OPEN = "open", "Open"
-        CANCELLED = "cancelled", "Cancelled"
+        OPEN = "open"
+        CANCELLED = "cancelled"
 
     id = models.BigAutoField(primary_key=True)
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="orders")
@@ -369,10 +369,10 @@ class AdapterCall(models.Model):
 
 
 class WorkerSessionStatus(models.TextChoices):
-    PROVISIONING = "provisioning", "Provisioning"
-    READY = "ready", "Ready"
-    STALE = "stale", "Stale"
-    FAILED = "failed", "Failed"
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    STALE = "stale"
+    FAILED = "failed"
 
 
 class WorkerSession(models.Model):

@@ -19,9 +19,9 @@ class EscalationTicket(models.Model):
     """
 
     class Status(models.TextChoices):
-        OPEN = "open", "Open"
-        ACKNOWLEDGED = "acknowledged", "Acknowledged"
-        RESOLVED = "resolved", "Resolved"
+        OPEN = "open"
+        ACKNOWLEDGED = "acknowledged"
+        RESOLVED = "resolved"
 
     class Trigger(models.TextChoices):
         ERROR_BURST = "error_burst", "More than 5 errors in 5 minutes"

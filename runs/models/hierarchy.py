@@ -9,13 +9,13 @@ from runs.models.run import MAX_RETRIES_PER_LEVEL, FailureMode, ParallelismMode,
 
 
 class NodeStatus(models.TextChoices):
-    PENDING = "pending", "Pending"
-    RUNNING = "running", "Running"
-    PAUSED = "paused", "Paused"
-    COMPLETED = "completed", "Completed"
-    FAILED = "failed", "Failed"
-    SKIPPED = "skipped", "Skipped"
-    CANCELLED = "cancelled", "Cancelled"
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
 
 
 LIVE_NODE_STATES = frozenset({NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED})
@@ -120,9 +120,9 @@ class Step(HierarchyNode):
     """One tool invocation (or a gate). Each execution is a ``StepAttempt``."""
 
     class Kind(models.TextChoices):
-        TOOL = "tool", "Tool"
-        CHECK = "check", "Check"
-        APPROVAL = "approval", "Approval"
+        TOOL = "tool"
+        CHECK = "check"
+        APPROVAL = "approval"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps")
@@ -148,10 +148,10 @@ class StepAttempt(models.Model):
     """One execution of a step; its idempotency key is unique, so a replay never runs twice."""
 
     class Outcome(models.TextChoices):
-        RUNNING = "running", "Running"
-        SUCCEEDED = "succeeded", "Succeeded"
-        FAILED = "failed", "Failed"
-        DISCARDED = "discarded", "Discarded"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        DISCARDED = "discarded"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="step_attempts")
     step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="step_attempts")

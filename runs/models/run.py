@@ -11,13 +11,13 @@ from core.models import Organization, Project
 
 class FailureMode(models.TextChoices):
     FAIL_FAST = "fail-fast", "Fail fast"
-    CONTINUE = "continue", "Continue"
-    RETRY = "retry", "Retry"
+    CONTINUE = "continue"
+    RETRY = "retry"
 
 
 class ParallelismMode(models.TextChoices):
-    SEQUENTIAL = "sequential", "Sequential"
-    PARALLEL = "parallel", "Parallel"
+    SEQUENTIAL = "sequential"
+    PARALLEL = "parallel"
     DAG = "dag", "DAG"
 
 
@@ -38,15 +38,15 @@ class Run(ConcurrentTransitionMixin, models.Model):
     """
 
     class Status(models.TextChoices):
-        CREATED = "created", "Created"
-        PENDING = "pending", "Pending"
-        RUNNING = "running", "Running"
-        PAUSED = "paused", "Paused"
-        RESUMING = "resuming", "Resuming"
-        COMPLETED = "completed", "Completed"
-        FAILED = "failed", "Failed"
-        CANCELLED = "cancelled", "Cancelled"
-        RETRYING = "retrying", "Retrying"
+        CREATED = "created"
+        PENDING = "pending"
+        RUNNING = "running"
+        PAUSED = "paused"
+        RESUMING = "resuming"
+        COMPLETED = "completed"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+        RETRYING = "retrying"
 
     organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="runs")
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="runs")
