@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+from django_fsm import ConcurrentTransitionMixin, FSMField
 
+from core.fsm import StateMove
 from core.models import Organization, Project
 
 
@@ -163,38 +164,16 @@ class Job(ConcurrentTransitionMixin, models.Model):
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_JOB_STATES
 
-    # One transition per target state; sources come from the matrix above.
-    @transition(field=state, source=_sources(S.RECEIVED), target=S.RECEIVED)
-    def to_received(self):
-        pass
-
-    @transition(field=state, source=_sources(S.QUEUED), target=S.QUEUED)
-    def to_queued(self):
-        pass
-
-    @transition(field=state, source=_sources(S.EXECUTING), target=S.EXECUTING)
-    def to_executing(self):
-        pass
-
-    @transition(field=state, source=_sources(S.AWAITING_TOOL), target=S.AWAITING_TOOL)
-    def to_awaiting_tool(self):
-        pass
-
-    @transition(field=state, source=_sources(S.AWAITING_USER_CONFIRMATION), target=S.AWAITING_USER_CONFIRMATION)
-    def to_awaiting_user_confirmation(self):
-        pass
-
-    @transition(field=state, source=_sources(S.COMPLETED), target=S.COMPLETED)
-    def to_completed(self):
-        pass
-
-    @transition(field=state, source=_sources(S.FAILED), target=S.FAILED)
-    def to_failed(self):
-        pass
-
-    @transition(field=state, source=_sources(S.CANCELLED), target=S.CANCELLED)
-    def to_cancelled(self):
-        pass
+    # One transition per target state (``job.to_queued()`` ...); sources come from the matrix above.
+    to_received = StateMove(state, source=_sources(S.RECEIVED), target=S.RECEIVED)
+    to_queued = StateMove(state, source=_sources(S.QUEUED), target=S.QUEUED)
+    to_executing = StateMove(state, source=_sources(S.EXECUTING), target=S.EXECUTING)
+    to_awaiting_tool = StateMove(state, source=_sources(S.AWAITING_TOOL), target=S.AWAITING_TOOL)
+    to_awaiting_user_confirmation = StateMove(state, source=_sources(S.AWAITING_USER_CONFIRMATION),
+                                              target=S.AWAITING_USER_CONFIRMATION)
+    to_completed = StateMove(state, source=_sources(S.COMPLETED), target=S.COMPLETED)
+    to_failed = StateMove(state, source=_sources(S.FAILED), target=S.FAILED)
+    to_cancelled = StateMove(state, source=_sources(S.CANCELLED), target=S.CANCELLED)
 
 
 class JobLane(models.Model):

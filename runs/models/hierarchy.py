@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import models
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
+from core.fsm import StateMove
 from runs.models.run import MAX_RETRIES_PER_LEVEL, FailureMode, ParallelismMode, Run
 
 
@@ -37,36 +38,16 @@ class HierarchyNode(ConcurrentTransitionMixin, models.Model):
     class Meta:
         abstract = True
 
-    @transition(field=status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
-    def begin(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
-    def pause(self):
-        pass
-
-    @transition(field=status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
-    def unpause(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.RUNNING, NodeStatus.PAUSED], target=NodeStatus.COMPLETED)
-    def complete(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.FAILED)
-    def fail(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.SKIPPED)
-    def skip(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.CANCELLED)
-    def cancel(self):
-        pass
+    begin = StateMove(status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
+    pause = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
+    unpause = StateMove(status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
+    complete = StateMove(status, source=[NodeStatus.RUNNING, NodeStatus.PAUSED], target=NodeStatus.COMPLETED)
+    fail = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                     target=NodeStatus.FAILED)
+    skip = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                     target=NodeStatus.SKIPPED)
+    cancel = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                       target=NodeStatus.CANCELLED)
 
     @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED,
                                       NodeStatus.COMPLETED, NodeStatus.FAILED, NodeStatus.SKIPPED,
