@@ -23,19 +23,8 @@ from django.utils import timezone
 from core.runbooks import runbook_get
 from jobs.registry import BACKOFF_CAP_MS, backoff_uncapped_ms
 from runs.events import RUN_REPLANNED
-from runs.models import (
-    IN_FLIGHT_RUN_STATES,
-    MAX_RETRIES_PER_LEVEL,
-    Agent,
-    ApprovalRequest,
-    EscalationTicket,
-    FailureMode,
-    NodeStatus,
-    Run,
-    Step,
-    StepAttempt,
-    Task,
-)
+from runs.models import (IN_FLIGHT_RUN_STATES, MAX_RETRIES_PER_LEVEL, Agent, ApprovalRequest, EscalationTicket,
+                         FailureMode, NodeStatus, Run, Step, StepAttempt, Task)
 from runs.substates import StatusReason, SubState
 
 SIMILAR_WINDOW = timedelta(hours=24)

@@ -13,14 +13,7 @@ from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
 from core.admin_runbooks import recent_filter
-from runs.models import (
-    ContextPin,
-    DriftRecord,
-    GateReceipt,
-    PhaseRecord,
-    PipelineKey,
-    Run,
-)
+from runs.models import ContextPin, DriftRecord, GateReceipt, PhaseRecord, PipelineKey, Run
 from runs.pipeline.sidecar import sidecar_json
 
 
