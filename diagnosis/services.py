@@ -296,34 +296,32 @@ def suggestion_request(*, run_id: int, actor=None) -> SuggestionRequested:
                                    else "already_queued")
 
 
-@transaction.atomic
-def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Suggestion:
-    """pending → ready with the computed action, text and facts. Already ended: unchanged."""
+def _suggestion_end(suggestion_id: int, move, **fields) -> Suggestion:
+    """Move a pending suggestion on (``Suggestion.complete`` or ``Suggestion.fail``) with ``fields``,
+    and write its event. Already ended: unchanged."""
     suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
     if suggestion.status != Suggestion.Status.PENDING:
         return suggestion
-    suggestion.complete()
-    suggestion.action = result.action
-    suggestion.text = result.text
-    suggestion.facts = result.facts
+    move(suggestion)
+    for name, value in fields.items():
+        setattr(suggestion, name, value)
     suggestion.completed_at = timezone.now()
     suggestion.save()
     _emit_suggestion(suggestion, suggestion.run)
     return suggestion
+
+
+@transaction.atomic
+def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Suggestion:
+    """pending → ready with the computed action, text and facts. Already ended: unchanged."""
+    return _suggestion_end(suggestion_id, Suggestion.complete, action=result.action, text=result.text,
+                           facts=result.facts)
 
 
 @transaction.atomic
 def suggestion_fail(*, suggestion_id: int, summary: str) -> Suggestion:
     """pending → failed with a one-line summary. Already ended: unchanged."""
-    suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
-    if suggestion.status != Suggestion.Status.PENDING:
-        return suggestion
-    suggestion.fail()
-    suggestion.text = one_line(summary)
-    suggestion.completed_at = timezone.now()
-    suggestion.save()
-    _emit_suggestion(suggestion, suggestion.run)
-    return suggestion
+    return _suggestion_end(suggestion_id, Suggestion.fail, text=one_line(summary))
 
 
 def suggestion_job_ended(job: Job) -> None:
