@@ -305,6 +305,13 @@ class EscalationFilter(filters.FilterSet):
         fields = ["status", "run"]
 
 
+def _escalation_move_schema(body, summary: str, description: str):
+    """The schema of an operator's move of an escalation ticket: ``body`` in, the ticket out."""
+    return extend_schema(description=description, summary=summary, request=body,
+                         responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
+                                                                        "invalid_transition")})
+
+
 @list_retrieve_schema(
     EscalationSerializer,
     list_summary="Escalation tickets of the caller's organizations",
@@ -320,35 +327,27 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
     filterset_class = EscalationFilter
     entity = "escalation"
 
-    @extend_schema(description=("Marks an open escalation as being looked at (audited with the reason); needs the "
-                                "organization's owner or runs.manage_escalation."),
-                   summary="Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
-                   request=ActionSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
-                                                                  "invalid_transition")})
-    @action(detail=True, methods=["post"])
-    def acknowledge(self, request, pk=None):
-        _require_authority(request, self.get_object(), "runs.manage_escalation", "acknowledging an escalation")
-        serializer = ActionSerializer(data=request.data)
+    def _move(self, request, service, body, doing: str):
+        """An operator moves the ticket on (the owner or ``runs.manage_escalation``), with a reason."""
+        _require_authority(request, self.get_object(), "runs.manage_escalation", doing)
+        serializer = body(data=request.data)
         serializer.is_valid(raise_exception=True)
-        ticket = escalations.escalation_acknowledge(ticket_id=self.get_object().pk, actor=request.user,
-                                                    reason=serializer.validated_data["reason"])
+        ticket = service(ticket_id=self.get_object().pk, actor=request.user, reason=serializer.validated_data["reason"])
         return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
-    @extend_schema(description=("Closes an escalation with a resolution note (audited); a new escalation of the same "
-                                "trigger may then open. Needs the organization's owner or runs.manage_escalation."),
-                   summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
-                   request=ResolveSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
-                                                                  "invalid_transition")})
+    @_escalation_move_schema(ActionSerializer, "Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
+                             "Marks an open escalation as being looked at (audited with the reason); needs the "
+                             "organization's owner or runs.manage_escalation.")
+    @action(detail=True, methods=["post"])
+    def acknowledge(self, request, pk=None):
+        return self._move(request, escalations.escalation_acknowledge, ActionSerializer, "acknowledging an escalation")
+
+    @_escalation_move_schema(ResolveSerializer, "Resolve with a resolution note (the owner or runs.manage_escalation)",
+                             "Closes an escalation with a resolution note (audited); a new escalation of the same "
+                             "trigger may then open. Needs the organization's owner or runs.manage_escalation.")
     @action(detail=True, methods=["post"])
     def resolve(self, request, pk=None):
-        _require_authority(request, self.get_object(), "runs.manage_escalation", "resolving an escalation")
-        serializer = ResolveSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        ticket = escalations.escalation_resolve(ticket_id=self.get_object().pk, actor=request.user,
-                                                reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket, context={"request": request}).data)
+        return self._move(request, escalations.escalation_resolve, ResolveSerializer, "resolving an escalation")
 
 
 class EventListView(ApiView):
