@@ -305,11 +305,12 @@ class EscalationFilter(filters.FilterSet):
         fields = ["status", "run"]
 
 
-def _escalation_move_schema(body, summary: str, description: str):
-    """The schema of an operator's move of an escalation ticket: ``body`` in, the ticket out."""
-    return extend_schema(description=description, summary=summary, request=body,
-                         responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
-                                                                        "invalid_transition")})
+def _escalation_action(body, summary: str, description: str):
+    """A POST on one escalation ticket that moves it on, with its schema: ``body`` in, the ticket out."""
+    schema = extend_schema(description=description, summary=summary, request=body,
+                           responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
+                                                                          "invalid_transition")})
+    return lambda method: schema(action(detail=True, methods=["post"])(method))
 
 
 @list_retrieve_schema(
@@ -335,17 +336,15 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
         ticket = service(ticket_id=self.get_object().pk, actor=request.user, reason=serializer.validated_data["reason"])
         return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
-    @_escalation_move_schema(ActionSerializer, "Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
-                             "Marks an open escalation as being looked at (audited with the reason); needs the "
-                             "organization's owner or runs.manage_escalation.")
-    @action(detail=True, methods=["post"])
+    @_escalation_action(ActionSerializer, "Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
+                        "Marks an open escalation as being looked at (audited with the reason); needs the "
+                        "organization's owner or runs.manage_escalation.")
     def acknowledge(self, request, pk=None):
         return self._move(request, escalations.escalation_acknowledge, ActionSerializer, "acknowledging an escalation")
 
-    @_escalation_move_schema(ResolveSerializer, "Resolve with a resolution note (the owner or runs.manage_escalation)",
-                             "Closes an escalation with a resolution note (audited); a new escalation of the same "
-                             "trigger may then open. Needs the organization's owner or runs.manage_escalation.")
-    @action(detail=True, methods=["post"])
+    @_escalation_action(ResolveSerializer, "Resolve with a resolution note (the owner or runs.manage_escalation)",
+                        "Closes an escalation with a resolution note (audited); a new escalation of the same "
+                        "trigger may then open. Needs the organization's owner or runs.manage_escalation.")
     def resolve(self, request, pk=None):
         return self._move(request, escalations.escalation_resolve, ResolveSerializer, "resolving an escalation")
 
