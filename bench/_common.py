@@ -65,14 +65,20 @@ def start_cluster(env: dict[str, str], log: Path) -> subprocess.Popen:
     return start_process([sys.executable, "manage.py", "qcluster"], env, log)
 
 
+def _signalled(process: subprocess.Popen, signum: int, grace_s: float) -> bool:
+    """Send ``signum`` to the process if it still runs and give it ``grace_s`` to end: has it ended?"""
+    if process.poll() is None:
+        process.send_signal(signum)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
 def stop_process(process: subprocess.Popen) -> None:
     """SIGTERM, up to 30 s, then SIGKILL to its whole session (children included); reaped."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            pass
+    _signalled(process, signal.SIGTERM, 30)
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -182,11 +188,7 @@ def start_profile(pid: int, out: Path, rate: int = 50) -> subprocess.Popen:
 
 def stop_profile(process: subprocess.Popen) -> None:
     """Stop recording (SIGINT makes py-spy write its file)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGINT)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
+    if not _signalled(process, signal.SIGINT, 60):
         process.kill()
         process.wait(10)
 

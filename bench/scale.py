@@ -45,6 +45,8 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,6 +164,20 @@ def _start_clusters(clusters: int, env: dict, out: Path, label: str) -> list:
     return processes
 
 
+@contextmanager
+def _workers_running(processes: list, what: str, broker: str, ids=None) -> Iterator[None]:
+    """Stops ``processes`` on the way out. A stall (``TimeoutError``) becomes a ``BenchFailure`` that
+    names ``what`` and, with ``ids``, which of them ran how often (never, twice ...)."""
+    try:
+        yield
+    except TimeoutError as exc:
+        found = "" if ids is None else f"; {'; '.join(counting.executions_check(broker, ids))}"
+        raise BenchFailure(f"{what}: {exc}{found}") from exc
+    finally:
+        for process in processes:
+            stop_process(process)
+
+
 def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_url: str | None,
                  profile: Path | None = None) -> Result:
     from jobs import wake
@@ -173,23 +189,19 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
     window = Window(database_url, REDIS_URL)
     processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
     spy = start_profile(processes[0].pid, profile) if profile else None
-    try:
-        window.open()
-        before = cpu_times()
-        wake.wake_workers(2 * clusters, force=True)
-        counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
-        after = cpu_times()
-        if spy:
-            stop_profile(spy)
-        _wait(lambda: not Job.objects.filter(pk__in=ids).exclude(state="completed").exists(), window, STALL_S)
-    except TimeoutError as exc:
-        raise BenchFailure(f"our queue, {clusters} cluster(s): {exc}; "
-                           f"{'; '.join(counting.executions_check(REDIS_URL, ids))}") from exc
-    finally:
-        if spy:
-            stop_profile(spy)
-        for process in processes:
-            stop_process(process)
+    with _workers_running(processes, f"our queue, {clusters} cluster(s)", REDIS_URL, ids):
+        try:
+            window.open()
+            before = cpu_times()
+            wake.wake_workers(2 * clusters, force=True)
+            counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
+            after = cpu_times()
+            if spy:
+                stop_profile(spy)
+            _wait(lambda: not Job.objects.filter(pk__in=ids).exclude(state="completed").exists(), window, STALL_S)
+        finally:
+            if spy:
+                stop_profile(spy)
     counts = window.close(n)
     problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
     return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
@@ -208,17 +220,11 @@ def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str 
     window = Window(database_url, REDIS_URL)
     # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
     processes = _start_clusters(clusters, env, out, f"bare-{clusters}")
-    try:
+    with _workers_running(processes, f"bare django-q2, {clusters} cluster(s)", REDIS_URL, range(n)):
         window.open()
         before = cpu_times()
         counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
         after = cpu_times()
-    except TimeoutError as exc:
-        raise BenchFailure(f"bare django-q2, {clusters} cluster(s): {exc}; "
-                           f"{'; '.join(counting.executions_check(REDIS_URL, range(n)))}") from exc
-    finally:
-        for process in processes:
-            stop_process(process)
     counts = window.close(n)
     return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
                   counts["statements"], counts["counted_xact"], counting.executions_check(REDIS_URL, range(n)))
@@ -236,14 +242,9 @@ def measure_celery(workers: int, n: int, out: Path) -> Result:
                                 "--without-gossip", "--without-mingle", "--without-heartbeat"],
                                {"BENCH_REDIS_URL": REDIS_URL}, out / f"scale-celery-{workers}-{i}.log")
                  for i in range(workers)]
-    try:
+    with _workers_running(processes, f"Celery, {workers} worker(s)", CELERY_BROKER_URL):
         counting.wait_counted(CELERY_BROKER_URL, n, stall_s=STALL_S)
         after = cpu_times()
-    except TimeoutError as exc:
-        raise BenchFailure(f"Celery, {workers} worker(s): {exc}") from exc
-    finally:
-        for process in processes:
-            stop_process(process)
     return Result(counting.counted_rate(CELERY_BROKER_URL, n), busy_percent(before, after),
                   problems=counting.executions_check(CELERY_BROKER_URL, range(n)))
 
@@ -257,7 +258,7 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     _flush_redis()
     processes = _start_clusters(clusters, env, out, f"latency-{clusters}")
     ids: list[int] = []
-    try:
+    with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
         interval = 1.0 / rate
         next_at = time.monotonic()
         end = next_at + seconds
@@ -270,12 +271,6 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
-    except TimeoutError as exc:
-        raise BenchFailure(f"latency, {clusters} cluster(s): {exc}; "
-                           f"{'; '.join(counting.executions_check(REDIS_URL, ids))}") from exc
-    finally:
-        for process in processes:
-            stop_process(process)
     problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
     waits = [(started - queued).total_seconds() * 1000
              for queued, started in Job.objects.filter(pk__in=ids).values_list("queued_at", "started_at")]

@@ -5,16 +5,12 @@ from __future__ import annotations
 from core.errors import DomainError
 
 
-class InsufficientCredits(DomainError):
-    code = "insufficient_credits"
-    status = 402
+class InsufficientCredits(DomainError, code="insufficient_credits", status=402):
+    """The organization holds fewer credits than the reservation or charge needs."""
 
 
-class CreditLimitExceeded(DomainError):
+class CreditLimitExceeded(DomainError, code="credit_limit_exceeded", status=409):
     """A charge would take a run attempt past what it reserved."""
-
-    code = "credit_limit_exceeded"
-    status = 409
 
 
 class AppendOnlyViolation(Exception):

@@ -79,9 +79,9 @@ class LedgerEntry(models.Model):
 
     class Kind(models.TextChoices):
         TOPUP = "topup", "Top-up"
-        RESERVE = "reserve", "Reserve"
-        CHARGE = "charge", "Charge"
-        REFUND = "refund", "Refund"
+        RESERVE = "reserve"
+        CHARGE = "charge"
+        REFUND = "refund"
 
     class Source(models.TextChoices):
         NONE = "", "—"

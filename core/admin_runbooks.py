@@ -194,10 +194,7 @@ class RunbookAdminMixin:
 
     # --- the per-object buttons ---------------------------------------------------------------
     def get_urls(self):
-        opts = self.model._meta
-        urls = [path("<path:object_id>/runbook/<str:action>/", self.admin_site.admin_view(self.runbook_object_view),
-                     name=f"{opts.app_label}_{opts.model_name}_runbook")]
-        return urls + super().get_urls()
+        return [object_path(self, "runbook/<str:action>", self.runbook_object_view, "runbook"), *super().get_urls()]
 
     def runbook_object_view(self, request, object_id, action):
         """One runbook action on one object: the same action function, its confirmation and report."""
@@ -246,6 +243,14 @@ class RunbookAdminMixin:
 RECENT_WINDOWS = {"15m": timedelta(minutes=15), "1h": timedelta(hours=1), "24h": timedelta(hours=24),
                   "7d": timedelta(days=7)}
 RECENT_LABELS = {"15m": "Last 15 minutes", "1h": "Last hour", "24h": "Last 24 hours", "7d": "Last 7 days"}
+
+
+def object_path(model_admin, route: str, view, name: str):
+    """A page of one object of ``model_admin`` at ``<object_id>/<route>/``, behind the admin's login
+    and named ``<app>_<model>_<name>`` (``reverse("admin:runs_run_sidecar", args=[run.pk])``)."""
+    opts = model_admin.model._meta
+    return path(f"<path:object_id>/{route}/", model_admin.admin_site.admin_view(view),
+                name=f"{opts.app_label}_{opts.model_name}_{name}")
 
 
 def recent_filter(field: str, title: str):

@@ -36,6 +36,7 @@ from core.events import BULK_OPERATION_PROGRESS
 from core.models import BulkOperation
 from core.runbooks import DONE, REFUSED, RUNBOOKS, SKIPPED, Outcome, Runbook, runbook_execute
 from core.services import actor_label, audit_record, event_record, row_lock
+from core.timefmt import isoformat_or_none
 
 logger = logging.getLogger("orchestrator.runbooks")
 
@@ -188,8 +189,8 @@ def bulk_operation_as_dict(operation: BulkOperation) -> dict[str, Any]:
             "total": operation.total, "done": operation.done, "skipped": operation.skipped,
             "refused": operation.refused, "processed": operation.processed, "cursor": operation.cursor,
             "abortRequestedBy": operation.abort_requested_by, "refusals": operation.refusals[:20],
-            "startedAt": operation.started_at.isoformat() if operation.started_at else None,
-            "finishedAt": operation.finished_at.isoformat() if operation.finished_at else None}
+            "startedAt": isoformat_or_none(operation.started_at),
+            "finishedAt": isoformat_or_none(operation.finished_at)}
 
 
 def _finish(operation_id: int, status: str) -> BulkOperation:

@@ -11,9 +11,22 @@ from typing import Any
 
 
 class DomainError(Exception):
+    """The base of every domain error; a subclass names its ``code`` and ``status`` in its class line.
+
+    ``class QueueDisabled(DomainError, code="queue_disabled", status=503)``: a subclass that names
+    no ``status`` keeps its base's (``Conflict`` and its subclasses answer 409).
+    """
+
     code = "domain_error"
     status = 400
     sends_retry_after = False  # the API sends ``extra["retry_after"]`` as a ``Retry-After`` header
+
+    def __init_subclass__(cls, *, code: str | None = None, status: int | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if status is not None:
+            cls.status = status
 
     def __init__(self, detail: str, *, code: str | None = None, **extra: Any) -> None:
         super().__init__(detail)
@@ -26,32 +39,24 @@ class DomainError(Exception):
         return {"code": self.code, "detail": self.detail, **self.extra}
 
 
-class ValidationFailed(DomainError):
+class ValidationFailed(DomainError, code="validation_error", status=400):
     """Bad input. ``errors`` maps a field path (``agents[0].tasks[1].name``) to messages."""
-
-    code = "validation_error"
-    status = 400
 
     def __init__(self, detail: str, *, errors: dict[str, list[str]] | None = None) -> None:
         super().__init__(detail, errors=errors or {})
         self.errors = errors or {}
 
 
-class NotFound(DomainError):
-    code = "not_found"
-    status = 404
+class NotFound(DomainError, code="not_found", status=404):
+    """The object does not exist, or the caller may not see it."""
 
 
-class PermissionRefused(DomainError):
-    code = "permission_denied"
-    status = 403
+class PermissionRefused(DomainError, code="permission_denied", status=403):
+    """The caller may see the object but not do this to it."""
 
 
-class InvalidTransition(DomainError):
+class InvalidTransition(DomainError, code="invalid_transition", status=409):
     """A transition was requested from a state that does not allow it."""
-
-    code = "invalid_transition"
-    status = 409
 
     def __init__(self, *, entity: str, entity_id: Any, current: str, requested: str, why: str = "") -> None:
         detail = f"{entity} {entity_id} is {current}; cannot {requested}"
@@ -64,19 +69,13 @@ class InvalidTransition(DomainError):
         self.requested = requested
 
 
-class Conflict(DomainError):
-    code = "conflict"
-    status = 409
+class Conflict(DomainError, code="conflict", status=409):
+    """The request contradicts the object's current state."""
 
 
-class IdempotencyKeyInUse(Conflict):
+class IdempotencyKeyInUse(Conflict, code="idempotency_key_in_use"):
     """The first request with this key is still running."""
 
-    code = "idempotency_key_in_use"
 
-
-class IdempotencyKeyReused(DomainError):
+class IdempotencyKeyReused(DomainError, code="idempotency_key_reused", status=422):
     """The key was used on this endpoint with another request body."""
-
-    code = "idempotency_key_reused"
-    status = 422

@@ -18,6 +18,12 @@ PROJECT_CREATED = "project_created"
 BULK_OPERATION_PROGRESS = "bulk_operation_progress"  # a batch done, or the operation finished or aborted
 
 
+def state_event(entity: str, status: str) -> str:
+    """The event an object's move into ``status`` writes: ``<entity>_<status>`` (``run_completed``,
+    ``step_failed``, ``escalation_open``, ``worker_session_ready`` ...)."""
+    return f"{entity}_{status}"
+
+
 # --- payload schemas -----------------------------------------------------------------------------
 
 EVENT_MESSAGES = [

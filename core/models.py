@@ -29,8 +29,8 @@ class Membership(models.Model):
     """A user's membership of an organization; API access and streams are limited to these."""
 
     class Role(models.TextChoices):
-        OWNER = "owner", "Owner"
-        MEMBER = "member", "Member"
+        OWNER = "owner"
+        MEMBER = "member"
 
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
@@ -132,7 +132,7 @@ class IdempotencyRecord(models.Model):
 
     class Status(models.TextChoices):
         IN_FLIGHT = "in_flight", "In flight"
-        DONE = "done", "Done"
+        DONE = "done"
 
     id = models.BigAutoField(primary_key=True)
     organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="+")
@@ -227,9 +227,9 @@ class BulkOperation(models.Model):
     """
 
     class Status(models.TextChoices):
-        RUNNING = "running", "Running"
-        FINISHED = "finished", "Finished"
-        ABORTED = "aborted", "Aborted"
+        RUNNING = "running"
+        FINISHED = "finished"
+        ABORTED = "aborted"
 
     id = models.BigAutoField(primary_key=True)
     runbook = models.CharField(max_length=200, help_text="the runbook's label: app_label.model.name")

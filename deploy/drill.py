@@ -70,7 +70,7 @@ from deploy.stack import (
     python_env,
     recreate_database,
     restart_postgres,
-    stop_postgres,
+    stack_stop,
     wait_postgres,
 )
 
@@ -407,12 +407,7 @@ def main(argv: list[str] | None = None) -> int:
             load.finish()
         if clients is not None:
             clients.stop()
-        if deployment is not None:
-            deployment.stop()
-        if redis_child is not None:
-            redis_child.stop()
-        if started_postgres:
-            stop_postgres(started_postgres)
+        stack_stop(deployment, redis_child, started_postgres)
 
 
 if __name__ == "__main__":

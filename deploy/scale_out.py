@@ -30,7 +30,7 @@ from deploy.stack import (
     ensure_redis,
     migrate,
     python_env,
-    stop_postgres,
+    stack_stop,
 )
 
 
@@ -100,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 2
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        if deployment is not None:
-            deployment.stop()
-        if redis_child is not None:
-            redis_child.stop()
-        if started_postgres:
-            stop_postgres(started_postgres)
+        stack_stop(deployment, redis_child, started_postgres)
         print("stopped", flush=True)
     return code
 

@@ -114,6 +114,17 @@ def stop_postgres(cluster: str) -> None:
     _pg_ctlcluster(cluster, "stop")
 
 
+def stack_stop(deployment: "Deployment | None", redis_child: "Child | None", started_postgres: str | None) -> None:
+    """Stop what a script brought up, last started first: the deployment, then Redis and PostgreSQL
+    where the script started them (a server that was already running is left running)."""
+    if deployment is not None:
+        deployment.stop()
+    if redis_child is not None:
+        redis_child.stop()
+    if started_postgres:
+        stop_postgres(started_postgres)
+
+
 def restart_postgres(cluster: str) -> None:
     """Restart a local cluster (``pg_ctlcluster ... restart``: every connection is cut)."""
     _pg_ctlcluster(cluster, "restart")

@@ -13,10 +13,10 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponseNotAllowed, HttpResponseRedirect
-from django.urls import path, reverse
+from django.urls import reverse
 
 from core.admin import ReadOnlyAdmin
-from core.admin_runbooks import recent_filter, top_values_filter
+from core.admin_runbooks import object_path, recent_filter, top_values_filter
 from core.errors import DomainError
 from core.runbooks import describe_error
 from diagnosis.models import Explanation, Suggestion
@@ -34,10 +34,7 @@ class RunDiagnosisAdminMixin:
         return self.has_view_permission(request, obj) and request.user.has_perm(SUGGEST_PERMISSION)
 
     def get_urls(self):
-        opts = self.model._meta
-        urls = [path("<path:object_id>/suggest/", self.admin_site.admin_view(self.suggest_view),
-                     name=f"{opts.app_label}_{opts.model_name}_suggest")]
-        return urls + super().get_urls()
+        return [object_path(self, "suggest", self.suggest_view, "suggest"), *super().get_urls()]
 
     def suggest_view(self, request, object_id):
         """Ask for a suggested next action on one run (single flight: asking again returns the same job)."""

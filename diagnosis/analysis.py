@@ -21,21 +21,11 @@ from django.db.models import Count, Sum
 from django.utils import timezone
 
 from core.runbooks import runbook_get
+from core.timefmt import isoformat_or_none
 from jobs.registry import BACKOFF_CAP_MS, backoff_uncapped_ms
 from runs.events import RUN_REPLANNED
-from runs.models import (
-    IN_FLIGHT_RUN_STATES,
-    MAX_RETRIES_PER_LEVEL,
-    Agent,
-    ApprovalRequest,
-    EscalationTicket,
-    FailureMode,
-    NodeStatus,
-    Run,
-    Step,
-    StepAttempt,
-    Task,
-)
+from runs.models import (IN_FLIGHT_RUN_STATES, MAX_RETRIES_PER_LEVEL, Agent, ApprovalRequest, EscalationTicket,
+                         FailureMode, NodeStatus, Run, Step, StepAttempt, Task)
 from runs.substates import StatusReason, SubState
 
 SIMILAR_WINDOW = timedelta(hours=24)
@@ -130,9 +120,6 @@ def runbook(action: str, why: str, **values: Any) -> dict[str, str]:
 def _ms(delta: timedelta | None) -> int | None:
     return None if delta is None else max(0, int(delta.total_seconds() * 1000))
 
-
-def _iso(value) -> str | None:
-    return value.isoformat() if value else None
 
 
 def backoff_schedule_ms(max_tries: int) -> list[int]:
@@ -341,8 +328,8 @@ def failure_facts(*, attempt_id: int, decision: dict | None = None, now=None) ->
         "run_attempt": agent.attempt_number,
         "step": {"id": step.pk, "name": step.name, "kind": step.kind, "tool": step.tool, "task": task.name,
                  "agent": agent.name},
-        "attempt": {"number": attempt.number, "cost": attempt.cost, "started_at": _iso(attempt.started_at),
-                    "finished_at": _iso(attempt.finished_at),
+        "attempt": {"number": attempt.number, "cost": attempt.cost, "started_at": isoformat_or_none(attempt.started_at),
+                    "finished_at": isoformat_or_none(attempt.finished_at),
                     "duration_ms": _ms(attempt.finished_at - attempt.started_at) if attempt.finished_at else None},
         "error": {**error, "message": attempt.error[:500]},
         "engine": {**decision, "tries": tries, "backoff_schedule_ms": backoff_schedule_ms(step.max_tries)},
@@ -401,7 +388,7 @@ def run_version(run: Run) -> str:
     """A digest of what an operator's next action depends on: status, attempt, credits, error."""
     state = [run.status, run.status_reason, run.attempt_number, run.max_attempts, run.credits_reserved,
              run.credits_charged, run.credits_refunded, run.last_error_code, run.replan_count,
-             run.deleted_at.isoformat() if run.deleted_at else None]
+             isoformat_or_none(run.deleted_at)]
     return hashlib.sha256(json.dumps(state, default=str).encode()).hexdigest()[:32]
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+from django_fsm import ConcurrentTransitionMixin, FSMField
 
+from core.fsm import StateMove
 from core.models import Organization
 
 
@@ -59,13 +60,8 @@ class Explanation(ConcurrentTransitionMixin, models.Model):
         """The row's id in the run's timeline: the same for every write of this explanation."""
         return f"explanation-{self.run_id}-{self.step_id}-{self.attempt_number}"
 
-    @transition(field=status, source=[Status.EXPLAINING, Status.FINAL], target=Status.FINAL)
-    def finish(self):
-        pass
-
-    @transition(field=status, source=Status.EXPLAINING, target=Status.SUMMARY)
-    def summarize(self):
-        pass
+    finish = StateMove(status, source=[Status.EXPLAINING, Status.FINAL], target=Status.FINAL)
+    summarize = StateMove(status, source=Status.EXPLAINING, target=Status.SUMMARY)
 
 
 class Suggestion(ConcurrentTransitionMixin, models.Model):
@@ -77,7 +73,7 @@ class Suggestion(ConcurrentTransitionMixin, models.Model):
 
     class Status(models.TextChoices):
         PENDING = "pending", "Working on it"
-        READY = "ready", "Ready"
+        READY = "ready"
         FAILED = "failed", "Not available"
 
     id = models.BigAutoField(primary_key=True)
@@ -105,10 +101,5 @@ class Suggestion(ConcurrentTransitionMixin, models.Model):
     def __str__(self) -> str:
         return f"suggestion {self.pk} for run {self.run_id} ({self.status})"
 
-    @transition(field=status, source=Status.PENDING, target=Status.READY)
-    def complete(self):
-        pass
-
-    @transition(field=status, source=Status.PENDING, target=Status.FAILED)
-    def fail(self):
-        pass
+    complete = StateMove(status, source=Status.PENDING, target=Status.READY)
+    fail = StateMove(status, source=Status.PENDING, target=Status.FAILED)

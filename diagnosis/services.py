@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from core.errors import DomainError, NotFound
 from core.services import event_record, row_lock, transition_log
+from core.timefmt import isoformat_or_none
 from diagnosis.analysis import SuggestionResult, engine_decision, run_version
 from diagnosis.errors import ExplainBacklogFull
 from diagnosis.events import EXPLANATION_EVENT, SUGGESTION_EVENT
@@ -58,9 +59,9 @@ def explanation_as_dict(explanation: Explanation, *, facts: bool = True) -> dict
         "status": status,
         "text": text,
         "job": explanation.job_id,
-        "created_at": explanation.created_at.isoformat() if explanation.created_at else None,
-        "updated_at": explanation.updated_at.isoformat() if explanation.updated_at else None,
-        "explained_at": explanation.explained_at.isoformat() if explanation.explained_at else None,
+        "created_at": isoformat_or_none(explanation.created_at),
+        "updated_at": isoformat_or_none(explanation.updated_at),
+        "explained_at": isoformat_or_none(explanation.explained_at),
     }
     if facts:
         data["facts"] = explanation.facts
@@ -249,8 +250,8 @@ def suggestion_as_dict(suggestion: Suggestion, *, run: Run | None = None) -> dic
         "text": suggestion.text,
         "facts": suggestion.facts,
         "requested_by": suggestion.requested_by.get_username() if suggestion.requested_by_id else None,
-        "requested_at": suggestion.requested_at.isoformat() if suggestion.requested_at else None,
-        "completed_at": suggestion.completed_at.isoformat() if suggestion.completed_at else None,
+        "requested_at": isoformat_or_none(suggestion.requested_at),
+        "completed_at": isoformat_or_none(suggestion.completed_at),
         "run_status_at_request": suggestion.run_status,
         "run_status": run.status,
         "stale": current != suggestion.run_version,
@@ -295,34 +296,32 @@ def suggestion_request(*, run_id: int, actor=None) -> SuggestionRequested:
                                    else "already_queued")
 
 
-@transaction.atomic
-def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Suggestion:
-    """pending → ready with the computed action, text and facts. Already ended: unchanged."""
+def _suggestion_end(suggestion_id: int, move, **fields) -> Suggestion:
+    """Move a pending suggestion on (``Suggestion.complete`` or ``Suggestion.fail``) with ``fields``,
+    and write its event. Already ended: unchanged."""
     suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
     if suggestion.status != Suggestion.Status.PENDING:
         return suggestion
-    suggestion.complete()
-    suggestion.action = result.action
-    suggestion.text = result.text
-    suggestion.facts = result.facts
+    move(suggestion)
+    for name, value in fields.items():
+        setattr(suggestion, name, value)
     suggestion.completed_at = timezone.now()
     suggestion.save()
     _emit_suggestion(suggestion, suggestion.run)
     return suggestion
+
+
+@transaction.atomic
+def suggestion_complete(*, suggestion_id: int, result: SuggestionResult) -> Suggestion:
+    """pending → ready with the computed action, text and facts. Already ended: unchanged."""
+    return _suggestion_end(suggestion_id, Suggestion.complete, action=result.action, text=result.text,
+                           facts=result.facts)
 
 
 @transaction.atomic
 def suggestion_fail(*, suggestion_id: int, summary: str) -> Suggestion:
     """pending → failed with a one-line summary. Already ended: unchanged."""
-    suggestion = row_lock(Suggestion, suggestion_id, entity="suggestion", related=("run",))
-    if suggestion.status != Suggestion.Status.PENDING:
-        return suggestion
-    suggestion.fail()
-    suggestion.text = one_line(summary)
-    suggestion.completed_at = timezone.now()
-    suggestion.save()
-    _emit_suggestion(suggestion, suggestion.run)
-    return suggestion
+    return _suggestion_end(suggestion_id, Suggestion.fail, text=one_line(summary))
 
 
 def suggestion_job_ended(job: Job) -> None:

@@ -10,7 +10,10 @@ events socket (``core.asyncapi``).
 
 from __future__ import annotations
 
+from functools import partial
+
 from core.asyncapi import ANY, ID, INTEGER, STRING, TIMESTAMP, EventMessage, nullable
+from core.events import state_event
 from jobs.models import CommandKind, CommandStatus, JobState, PriorityClass, WorkerSessionStatus
 
 JOB_QUEUED = "orchestrator_job_queued"
@@ -37,9 +40,8 @@ WORKER_SESSION_PREFLIGHT = "worker_session_preflight"
 WORKER_SESSION_BOOTSTRAPPED = "worker_session_bootstrapped"
 
 
-def worker_session_event(status: str) -> str:
-    """The event a worker session's move into ``status`` writes (``worker_session_ready`` ...)."""
-    return f"worker_session_{status}"
+# The event a worker session's move into a status writes (``worker_session_ready`` ...).
+worker_session_event = partial(state_event, "worker_session")
 
 
 QUEUE_PAUSED = "queue_paused"

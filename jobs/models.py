@@ -9,20 +9,21 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+from django_fsm import ConcurrentTransitionMixin, FSMField
 
+from core.fsm import StateMove
 from core.models import Organization, Project
 
 
 class JobState(models.TextChoices):
-    RECEIVED = "received", "Received"
-    QUEUED = "queued", "Queued"
-    EXECUTING = "executing", "Executing"
+    RECEIVED = "received"
+    QUEUED = "queued"
+    EXECUTING = "executing"
     AWAITING_TOOL = "awaiting_tool", "Awaiting tool (retry wait)"
     AWAITING_USER_CONFIRMATION = "awaiting_user_confirmation", "Awaiting user confirmation"
-    COMPLETED = "completed", "Completed"
-    FAILED = "failed", "Failed"
-    CANCELLED = "cancelled", "Cancelled"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
 
 
 S = JobState
@@ -70,8 +71,8 @@ class JobReason(models.TextChoices):
 
 
 class PriorityClass(models.TextChoices):
-    INTERACTIVE = "interactive", "Interactive"
-    BACKGROUND = "background", "Background"
+    INTERACTIVE = "interactive"
+    BACKGROUND = "background"
 
 
 class Job(ConcurrentTransitionMixin, models.Model):
@@ -163,38 +164,16 @@ class Job(ConcurrentTransitionMixin, models.Model):
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_JOB_STATES
 
-    # One transition per target state; sources come from the matrix above.
-    @transition(field=state, source=_sources(S.RECEIVED), target=S.RECEIVED)
-    def to_received(self):
-        pass
-
-    @transition(field=state, source=_sources(S.QUEUED), target=S.QUEUED)
-    def to_queued(self):
-        pass
-
-    @transition(field=state, source=_sources(S.EXECUTING), target=S.EXECUTING)
-    def to_executing(self):
-        pass
-
-    @transition(field=state, source=_sources(S.AWAITING_TOOL), target=S.AWAITING_TOOL)
-    def to_awaiting_tool(self):
-        pass
-
-    @transition(field=state, source=_sources(S.AWAITING_USER_CONFIRMATION), target=S.AWAITING_USER_CONFIRMATION)
-    def to_awaiting_user_confirmation(self):
-        pass
-
-    @transition(field=state, source=_sources(S.COMPLETED), target=S.COMPLETED)
-    def to_completed(self):
-        pass
-
-    @transition(field=state, source=_sources(S.FAILED), target=S.FAILED)
-    def to_failed(self):
-        pass
-
-    @transition(field=state, source=_sources(S.CANCELLED), target=S.CANCELLED)
-    def to_cancelled(self):
-        pass
+    # One transition per target state (``job.to_queued()`` ...); sources come from the matrix above.
+    to_received = StateMove(state, source=_sources(S.RECEIVED), target=S.RECEIVED)
+    to_queued = StateMove(state, source=_sources(S.QUEUED), target=S.QUEUED)
+    to_executing = StateMove(state, source=_sources(S.EXECUTING), target=S.EXECUTING)
+    to_awaiting_tool = StateMove(state, source=_sources(S.AWAITING_TOOL), target=S.AWAITING_TOOL)
+    to_awaiting_user_confirmation = StateMove(state, source=_sources(S.AWAITING_USER_CONFIRMATION),
+                                              target=S.AWAITING_USER_CONFIRMATION)
+    to_completed = StateMove(state, source=_sources(S.COMPLETED), target=S.COMPLETED)
+    to_failed = StateMove(state, source=_sources(S.FAILED), target=S.FAILED)
+    to_cancelled = StateMove(state, source=_sources(S.CANCELLED), target=S.CANCELLED)
 
 
 class JobLane(models.Model):
@@ -244,8 +223,8 @@ class CommandKind(models.TextChoices):
 
 class CommandStatus(models.TextChoices):
     RECORDED = "recorded", "Recorded (no result yet)"
-    SUCCEEDED = "succeeded", "Succeeded"
-    FAILED = "failed", "Failed"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
 
 
 class CommandRecord(models.Model):
@@ -289,8 +268,8 @@ class Deployment(models.Model):
     """A deployment made by the reference ``DatabaseAdapter`` (one per creating idempotency key)."""
 
     class Status(models.TextChoices):
-        ACTIVE = "active", "Active"
-        STOPPED = "stopped", "Stopped"
+        ACTIVE = "active"
+        STOPPED = "stopped"
 
     id = models.BigAutoField(primary_key=True)
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="deployments")
@@ -316,12 +295,12 @@ class Order(models.Model):
     """An order placed by the reference ``DatabaseAdapter`` (one per placing idempotency key)."""
 
     class Side(models.TextChoices):
-        BUY = "buy", "Buy"
-        SELL = "sell", "Sell"
+        BUY = "buy"
+        SELL = "sell"
 
     class Status(models.TextChoices):
-        OPEN = "open", "Open"
-        CANCELLED = "cancelled", "Cancelled"
+        OPEN = "open"
+        CANCELLED = "cancelled"
 
     id = models.BigAutoField(primary_key=True)
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="orders")
@@ -369,10 +348,10 @@ class AdapterCall(models.Model):
 
 
 class WorkerSessionStatus(models.TextChoices):
-    PROVISIONING = "provisioning", "Provisioning"
-    READY = "ready", "Ready"
-    STALE = "stale", "Stale"
-    FAILED = "failed", "Failed"
+    PROVISIONING = "provisioning"
+    READY = "ready"
+    STALE = "stale"
+    FAILED = "failed"
 
 
 class WorkerSession(models.Model):

@@ -163,19 +163,23 @@ def _queue_change(service, done: str):
 QueueRunbook = partial(Runbook, model=Project, noun="project", permission="jobs.pause_queue",
                        permission_label="Can pause and resume a queue", permission_model=QueuePause, button=True)
 
-QUEUE_PAUSE = QueueRunbook(
-    name="pause_queue", title="Pause queue", plan=_pause_plan,
-    perform=_queue_change(services.queue_pause, "queue paused: its jobs stay queued"),
-    action_label="Pause the queues of selected projects…", command="pause_queue",
+
+def _queue_runbook(verb: str, service, *, plan, done: str, description: str) -> Runbook:
+    """``<verb>_queue`` (its runbook, admin action, button and command) over ``service``."""
+    return QueueRunbook(name=f"{verb}_queue", title=f"{verb.capitalize()} queue", plan=plan,
+                        perform=_queue_change(service, done), command=f"{verb}_queue",
+                        action_label=f"{verb.capitalize()} the queues of selected projects…", description=description)
+
+
+QUEUE_PAUSE = _queue_runbook(
+    "pause", services.queue_pause, plan=_pause_plan, done="queue paused: its jobs stay queued",
     description="Pause a project's queue (or a job type's, --job-type): its jobs stay queued, none is claimed, "
                 "its runs wait; enqueueing goes on.")
-
-QUEUE_RESUME = QueueRunbook(
-    name="resume_queue", title="Resume queue", plan=_resume_plan,
-    perform=_queue_change(services.queue_resume, "queue resumed: its jobs are claimed in order"),
-    action_label="Resume the queues of selected projects…", command="resume_queue",
+QUEUE_RESUME = _queue_runbook(
+    "resume", services.queue_resume, plan=_resume_plan, done="queue resumed: its jobs are claimed in order",
     description="Resume a paused queue (a project's, or a job type's with --job-type): its jobs are claimed again, "
                 "in order.")
+
 
 def queue_command(command: str):
     """The ``Command`` of a queue runbook: ``--project ID`` or ``--job-type TYPE`` names the queue."""

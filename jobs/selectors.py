@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
+from core.timefmt import isoformat_or_none
 from jobs.models import (
     NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
@@ -261,7 +262,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         },
         "caps": {"lane_concurrency": 1 if job.lane else None, "global_concurrency": concurrency,
                  "executing": len(executing), "free_slots": max(0, concurrency - len(executing))},
-        "not_before": job.not_before.isoformat() if job.not_before else None,
+        "not_before": isoformat_or_none(job.not_before),
         "eligible_at": None,
         "eligible_in_s": None,
         "position": None,
@@ -271,7 +272,7 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
         "workers_alive": workers_alive,
         "queue_enabled": bool(settings.ORCHESTRATOR_QUEUE_ENABLED),
         "paused": None if pause is None else queue_pause_as_dict(pause),
-        "deadline_at": job.deadline_at.isoformat() if job.deadline_at else None,
+        "deadline_at": isoformat_or_none(job.deadline_at),
         "blockers": [],
         "summary": "",
     }

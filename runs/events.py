@@ -9,23 +9,17 @@ events socket (``core.asyncapi``).
 
 from __future__ import annotations
 
+from functools import partial
+
 from core.asyncapi import ANY, ID, INTEGER, STRING, EventMessage, nullable, ref
+from core.events import state_event
 from runs.models import EscalationTicket, GateReceipt, NodeStatus, Run
 
-def run_event(status: str) -> str:
-    """The event a run's move into ``status`` writes (``run_completed``, ``run_cancelled`` ...)."""
-    return f"run_{status}"
-
-
-def node_event(entity: str, status: str) -> str:
-    """The event an agent's, task's or step's move into ``status`` writes (``step_failed`` ...)."""
-    return f"{entity}_{status}"
-
-
-def escalation_event(status: str) -> str:
-    """The event an escalation's move into ``status`` writes (``escalation_open`` ...)."""
-    return f"escalation_{status}"
-
+# The event a move into a status writes (``core.events.state_event``): ``run_completed``,
+# ``escalation_open``; an agent's, task's or step's ``node_event("step", "failed")``.
+run_event = partial(state_event, "run")
+node_event = state_event
+escalation_event = partial(state_event, "escalation")
 
 RUN_REPLANNED = "run_replanned"
 RUN_RETRY_REFUSED = "run_retry_refused"

@@ -13,11 +13,13 @@ it is looked at, with an error naming the cap.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
 
 from core.errors import ValidationFailed
+from core.validation import text_errors
 from runs.models import FailureMode, ParallelismMode, Step
 from runs.pipeline.checks import CHECKS
 from runs.pipeline.pins import pins_spec_errors
@@ -89,14 +91,6 @@ def _caps_errors(caps: Any) -> dict[str, list[str]]:
             for message in _minutes_errors(minutes):
                 errors.setdefault(f"plan.caps.phase_soft_cap_minutes.{phase}", []).append(message)
     return errors
-
-
-def _name_errors(value: Any) -> list[str]:
-    if not isinstance(value, str) or not value.strip():
-        return ["required, a non-empty string"]
-    if len(value) > MAX_NAME_LENGTH:
-        return [f"at most {MAX_NAME_LENGTH} characters"]
-    return []
 
 
 def _check_mode(node: dict, key: str, allowed: set[str], path: str, errors: dict[str, list[str]]) -> None:
@@ -178,13 +172,25 @@ def _node_ok(node: Any, path: str, level: str, seen: set[str], add) -> bool:
     if not isinstance(node, dict):
         add(path, "must be an object")
         return False
-    for message in _name_errors(node.get("name")):
+    for message in text_errors(node.get("name"), max_length=MAX_NAME_LENGTH):
         add(f"{path}.name", message)
     if isinstance(node.get("name"), str):
         if node["name"] in seen:
             add(f"{path}.name", f"duplicate {level} name {node['name']!r}")
         seen.add(node["name"])
     return True
+
+
+def _children(children: Any, path: str, level: str, names: set[str], add) -> Iterator[tuple[dict, str]]:
+    """The nodes of a required, non-empty list at ``path`` (an agent's tasks, a task's steps) that
+    pass the checks every level shares, each with its own path; ``names`` collects their names."""
+    if not isinstance(children, list) or not children:
+        add(path, "required, a non-empty list")
+        return
+    for index, child in enumerate(children):
+        child_path = f"{path}[{index}]"
+        if _node_ok(child, child_path, level, names, add):
+            yield child, child_path
 
 
 def plan_validate(plan: Any) -> dict:
@@ -225,14 +231,8 @@ def plan_validate(plan: Any) -> dict:
         _check_mode(agent, "failure_mode", FAILURE_MODES, a_path, errors)
         _check_mode(agent, "parallelism_mode", AGENT_TASK_MODES, a_path, errors)
         tasks = agent.get("tasks")
-        if not isinstance(tasks, list) or not tasks:
-            add(f"{a_path}.tasks", "required, a non-empty list")
-            continue
         task_names: set[str] = set()
-        for t_index, task in enumerate(tasks):
-            t_path = f"{a_path}.tasks[{t_index}]"
-            if not _node_ok(task, t_path, "task", task_names, add):
-                continue
+        for task, t_path in _children(tasks, f"{a_path}.tasks", "task", task_names, add):
             _check_mode(task, "failure_mode", FAILURE_MODES, t_path, errors)
             _check_mode(task, "parallelism_mode", STEP_MODES, t_path, errors)
             if gated and isinstance(task.get("name"), str):
@@ -252,15 +252,7 @@ def plan_validate(plan: Any) -> dict:
                     add(f"{t_path}.idempotency_key", f"key {key!r} is used by another phase of this plan")
                 else:
                     pipeline_keys.add(key)
-            steps = task.get("steps")
-            if not isinstance(steps, list) or not steps:
-                add(f"{t_path}.steps", "required, a non-empty list")
-                continue
-            step_names: set[str] = set()
-            for s_index, step in enumerate(steps):
-                s_path = f"{t_path}.steps[{s_index}]"
-                if not _node_ok(step, s_path, "step", step_names, add):
-                    continue
+            for step, s_path in _children(task.get("steps"), f"{t_path}.steps", "step", set(), add):
                 kind = step.get("kind", "tool")
                 if not isinstance(kind, str) or kind not in STEP_KINDS:
                     add(f"{s_path}.kind", f"must be one of {', '.join(sorted(STEP_KINDS))}")
@@ -295,17 +287,19 @@ def plan_validate(plan: Any) -> dict:
                         for message in check.validate(args):
                             add(f"{s_path}.args", message)
                     if "gate" in step:
-                        for message in _name_errors(step.get("gate")):
+                        for message in text_errors(step.get("gate"), max_length=MAX_NAME_LENGTH):
                             add(f"{s_path}.gate", message)
                     gate_name = step.get("gate", step.get("name"))
                 elif kind == "approval":
-                    for message in _name_errors(step.get("gate")):
+                    for message in text_errors(step.get("gate"), max_length=MAX_NAME_LENGTH):
                         add(f"{s_path}.gate", message)
                     gate_name = step.get("gate")
                 if isinstance(gate_name, str):
                     if gate_name in gate_names:
                         add(f"{s_path}.gate", f"gate {gate_name!r} is named twice: gate names are unique in a plan")
                     gate_names.add(gate_name)
+        if not isinstance(tasks, list) or not tasks:
+            continue
         if agent.get("parallelism_mode") == "dag" or any(
             isinstance(t, dict) and t.get("depends_on") for t in tasks
         ):

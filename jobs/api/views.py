@@ -119,6 +119,14 @@ class JobFilter(filters.FilterSet):
         fields = ["project", "state", "type"]
 
 
+def _queue_action(url_path: str, summary: str, description: str):
+    """A POST on one project's queue (pause, resume), with its schema: a reason in, the queue's state out."""
+    schema = extend_schema(description=description, summary=summary, request=QueueChangeSerializer,
+                           responses={200: QueueStateSerializer, **errors("validation_error", "not_found",
+                                                                          "permission_denied", "queue_pause_conflict")})
+    return lambda method: schema(action(detail=True, methods=["post"], url_path=url_path)(method))
+
+
 @list_retrieve_schema(
     JobSerializer,
     list_summary="Jobs of the caller's organizations (by project, state, type)",
@@ -211,23 +219,16 @@ class ProjectQueueViewSet(ApiViewSet):
         return Response({"project": project.pk, "paused": paused, "by": request.user.get_username(),
                          "reason": serializer.validated_data["reason"], "since": pause.since})
 
-    @extend_schema(description=("Pauses the project's queue: its jobs stay queued (enqueueing goes on), no worker "
-                                "claims them and its runs wait, until it is resumed. The organization's owners only; "
-                                "audited. A paused queue answers 409 `queue_pause_conflict`."),
-                   summary="Pause a project's queue", request=QueueChangeSerializer,
-                   responses={200: QueueStateSerializer, **errors("validation_error", "not_found", "permission_denied",
-                                                                  "queue_pause_conflict")})
-    @action(detail=True, methods=["post"], url_path="queue/pause")
+    @_queue_action("queue/pause", "Pause a project's queue",
+                   "Pauses the project's queue: its jobs stay queued (enqueueing goes on), no worker claims them and "
+                   "its runs wait, until it is resumed. The organization's owners only; audited. A paused queue "
+                   "answers 409 `queue_pause_conflict`.")
     def pause(self, request, pk=None):
         return self._change(request, queue_pause, paused=True)
 
-    @extend_schema(description=("Resumes the project's paused queue: its jobs are claimed again, in order. The "
-                                "organization's owners only; audited. A queue that is not paused answers 409 "
-                                "`queue_pause_conflict`."),
-                   summary="Resume a project's queue", request=QueueChangeSerializer,
-                   responses={200: QueueStateSerializer, **errors("validation_error", "not_found", "permission_denied",
-                                                                  "queue_pause_conflict")})
-    @action(detail=True, methods=["post"], url_path="queue/resume")
+    @_queue_action("queue/resume", "Resume a project's queue",
+                   "Resumes the project's paused queue: its jobs are claimed again, in order. The organization's "
+                   "owners only; audited. A queue that is not paused answers 409 `queue_pause_conflict`.")
     def resume(self, request, pk=None):
         return self._change(request, queue_resume, paused=False)
 

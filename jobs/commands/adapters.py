@@ -20,6 +20,7 @@ from django.db import connection, transaction
 from django.utils import timezone
 from django.utils.module_loading import import_string
 
+from core.timefmt import isoformat_or_none
 from jobs.models import AdapterCall, Deployment, Order
 
 DEFAULT_ADAPTER = "jobs.commands.adapters.DatabaseAdapter"
@@ -87,21 +88,18 @@ def _number(value: Decimal | None) -> str | None:
     return None if value is None else format(Decimal(value).normalize(), "f")
 
 
-def _when(value) -> str | None:
-    return value.isoformat() if value else None
-
 
 def deployment_as_dict(deployment: Deployment) -> dict[str, Any]:
     return {"id": deployment.pk, "projectId": deployment.project_id, "name": deployment.name,
-            "spec": deployment.spec, "status": deployment.status, "createdAt": _when(deployment.created_at),
-            "stoppedAt": _when(deployment.stopped_at)}
+            "spec": deployment.spec, "status": deployment.status, "createdAt": isoformat_or_none(deployment.created_at),
+            "stoppedAt": isoformat_or_none(deployment.stopped_at)}
 
 
 def order_as_dict(order: Order) -> dict[str, Any]:
     return {"id": order.pk, "projectId": order.project_id, "deploymentId": order.deployment_id,
             "symbol": order.symbol, "side": order.side, "quantity": _number(order.quantity),
-            "price": _number(order.price), "status": order.status, "createdAt": _when(order.created_at),
-            "cancelledAt": _when(order.cancelled_at)}
+            "price": _number(order.price), "status": order.status, "createdAt": isoformat_or_none(order.created_at),
+            "cancelledAt": isoformat_or_none(order.cancelled_at)}
 
 
 class DatabaseAdapter:

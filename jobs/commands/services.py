@@ -31,6 +31,7 @@ from billing.services import account_charge
 from core.errors import ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
+from core.timefmt import isoformat_or_none
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
 from jobs.errors import CommandConflict, CommandFailed
@@ -64,8 +65,8 @@ def command_as_dict(record: CommandRecord) -> dict[str, Any]:
         "attempts": record.attempts,
         "errorCode": record.error_code or None,
         "error": record.error or None,
-        "createdAt": record.created_at.isoformat() if record.created_at else None,
-        "completedAt": record.completed_at.isoformat() if record.completed_at else None,
+        "createdAt": isoformat_or_none(record.created_at),
+        "completedAt": isoformat_or_none(record.completed_at),
     }
 
 

@@ -12,6 +12,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from core.errors import ValidationFailed
+from core.validation import text_errors
 from jobs.models import CommandKind
 from jobs.tools import tool_get
 
@@ -27,22 +28,16 @@ def payload_hash(args: dict) -> str:
 
 
 def idempotency_key_errors(key: Any) -> list[str]:
-    if not isinstance(key, str) or not key.strip():
-        return ["required, a non-empty string"]
-    if len(key) > KEY_MAX_LENGTH:
-        return [f"at most {KEY_MAX_LENGTH} characters"]
-    return []
+    return text_errors(key, max_length=KEY_MAX_LENGTH)
 
 
 def _text(args: dict, name: str, errors: dict, *, max_length: int, required: bool = True) -> str | None:
     value = args.get(name)
     if value is None and not required:
         return None
-    if not isinstance(value, str) or not value.strip():
-        errors[name] = ["required, a non-empty string"]
-        return None
-    if len(value) > max_length:
-        errors[name] = [f"at most {max_length} characters"]
+    problems = text_errors(value, max_length=max_length)
+    if problems:
+        errors[name] = problems
         return None
     return value.strip()
 

@@ -14,6 +14,7 @@ from django_fsm import can_proceed
 from core.errors import ValidationFailed
 from core.metrics import metric_observation, metric_sample, metrics_add
 from core.services import event_record, row_lock, transition_log
+from core.timefmt import isoformat_or_none
 from jobs.errors import JobConflict
 from jobs.events import JOB_PROGRESS, JOB_STATE_EVENTS
 from jobs.models import TERMINAL_JOB_STATES, Job, JobState
@@ -33,9 +34,9 @@ def job_as_dict(job: Job) -> dict[str, Any]:
         "lane": job.lane,
         "attempts": job.attempts,
         "maxAttempts": job.max_attempts,
-        "createdAt": job.created_at.isoformat() if job.created_at else None,
-        "startedAt": job.started_at.isoformat() if job.started_at else None,
-        "completedAt": job.completed_at.isoformat() if job.completed_at else None,
+        "createdAt": isoformat_or_none(job.created_at),
+        "startedAt": isoformat_or_none(job.started_at),
+        "completedAt": isoformat_or_none(job.completed_at),
         "error": job.error or None,
         "result": job.result,
     }

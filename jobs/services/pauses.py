@@ -12,6 +12,7 @@ from django.db import IntegrityError, transaction
 from core.errors import NotFound, ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record
+from core.timefmt import isoformat_or_none
 from jobs.errors import QueuePauseConflict
 from jobs.events import QUEUE_PAUSED, QUEUE_RESUMED
 from jobs.models import QueuePause
@@ -39,7 +40,7 @@ def _record(pause: QueuePause, *, event_type: str, action: str, actor, reason: s
     project = pause.project
     organization_id = project.organization_id if project is not None else None
     payload = {"projectId": pause.project_id, "jobType": pause.job_type, "actor": actor_label(actor),
-               "reason": reason, "since": pause.since.isoformat() if pause.since else None}
+               "reason": reason, "since": isoformat_or_none(pause.since)}
     event_record(type=event_type, organization_id=organization_id, project_id=pause.project_id, payload=payload)
     audit_record(actor=actor, action=action, target_type="project" if project is not None else "job_type",
                  target_id=pause.project_id or pause.job_type, organization_id=organization_id, reason=reason,

@@ -197,14 +197,9 @@ def _node_counts(run: Run) -> dict[str, dict[str, int]]:
     return counts
 
 
-class NodeCountsSerializer(serializers.Serializer):
-    pending = serializers.IntegerField()
-    running = serializers.IntegerField()
-    paused = serializers.IntegerField()
-    completed = serializers.IntegerField()
-    failed = serializers.IntegerField()
-    skipped = serializers.IntegerField()
-    cancelled = serializers.IntegerField()
+# How many agents, tasks or steps are in each status: one count per ``NodeStatus``, in its order.
+NodeCountsSerializer = type("NodeCountsSerializer", (serializers.Serializer,),
+                            {status: serializers.IntegerField() for status in NodeStatus.values})
 
 
 class RunCountsSerializer(serializers.Serializer):

@@ -325,6 +325,14 @@ class EscalationFilter(filters.FilterSet):
         fields = ["status", "run"]
 
 
+def _escalation_action(body, summary: str, description: str):
+    """A POST on one escalation ticket that moves it on, with its schema: ``body`` in, the ticket out."""
+    schema = extend_schema(description=description, summary=summary, request=body,
+                           responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
+                                                                          "invalid_transition")})
+    return lambda method: schema(action(detail=True, methods=["post"])(method))
+
+
 @list_retrieve_schema(
     EscalationSerializer,
     list_summary="Escalation tickets of the caller's organizations",
@@ -340,35 +348,25 @@ class EscalationViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, ApiVie
     filterset_class = EscalationFilter
     entity = "escalation"
 
-    @extend_schema(description=("Marks an open escalation as being looked at (audited with the reason); needs the "
-                                "organization's owner or runs.manage_escalation."),
-                   summary="Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
-                   request=ActionSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
-                                                                  "invalid_transition")})
-    @action(detail=True, methods=["post"])
-    def acknowledge(self, request, pk=None):
-        _require_authority(request, self.get_object(), "runs.manage_escalation", "acknowledging an escalation")
-        serializer = ActionSerializer(data=request.data)
+    def _move(self, request, service, body, doing: str):
+        """An operator moves the ticket on (the owner or ``runs.manage_escalation``), with a reason."""
+        _require_authority(request, self.get_object(), "runs.manage_escalation", doing)
+        serializer = body(data=request.data)
         serializer.is_valid(raise_exception=True)
-        ticket = escalations.escalation_acknowledge(ticket_id=self.get_object().pk, actor=request.user,
-                                                    reason=serializer.validated_data["reason"])
+        ticket = service(ticket_id=self.get_object().pk, actor=request.user, reason=serializer.validated_data["reason"])
         return Response(EscalationSerializer(ticket, context={"request": request}).data)
 
-    @extend_schema(description=("Closes an escalation with a resolution note (audited); a new escalation of the same "
-                                "trigger may then open. Needs the organization's owner or runs.manage_escalation."),
-                   summary="Resolve with a resolution note (the owner or runs.manage_escalation)",
-                   request=ResolveSerializer,
-                   responses={200: EscalationSerializer, **errors("not_found", "permission_denied",
-                                                                  "invalid_transition")})
-    @action(detail=True, methods=["post"])
+    @_escalation_action(ActionSerializer, "Acknowledge: open → acknowledged (the owner or runs.manage_escalation)",
+                        "Marks an open escalation as being looked at (audited with the reason); needs the "
+                        "organization's owner or runs.manage_escalation.")
+    def acknowledge(self, request, pk=None):
+        return self._move(request, escalations.escalation_acknowledge, ActionSerializer, "acknowledging an escalation")
+
+    @_escalation_action(ResolveSerializer, "Resolve with a resolution note (the owner or runs.manage_escalation)",
+                        "Closes an escalation with a resolution note (audited); a new escalation of the same "
+                        "trigger may then open. Needs the organization's owner or runs.manage_escalation.")
     def resolve(self, request, pk=None):
-        _require_authority(request, self.get_object(), "runs.manage_escalation", "resolving an escalation")
-        serializer = ResolveSerializer(data=request.data)
-        serializer.is_valid(raise_exception=True)
-        ticket = escalations.escalation_resolve(ticket_id=self.get_object().pk, actor=request.user,
-                                                reason=serializer.validated_data["reason"])
-        return Response(EscalationSerializer(ticket, context={"request": request}).data)
+        return self._move(request, escalations.escalation_resolve, ResolveSerializer, "resolving an escalation")
 
 
 class EventListView(ApiView):

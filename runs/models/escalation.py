@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import FSMField, transition
+from django_fsm import FSMField
 
+from core.fsm import StateMove
 from core.models import Organization
 from runs.models.run import Run
 
@@ -19,9 +20,9 @@ class EscalationTicket(models.Model):
     """
 
     class Status(models.TextChoices):
-        OPEN = "open", "Open"
-        ACKNOWLEDGED = "acknowledged", "Acknowledged"
-        RESOLVED = "resolved", "Resolved"
+        OPEN = "open"
+        ACKNOWLEDGED = "acknowledged"
+        RESOLVED = "resolved"
 
     class Trigger(models.TextChoices):
         ERROR_BURST = "error_burst", "More than 5 errors in 5 minutes"
@@ -59,13 +60,8 @@ class EscalationTicket(models.Model):
     def __str__(self) -> str:
         return f"escalation {self.pk} of run {self.run_id} ({self.trigger}, {self.status})"
 
-    @transition(field=status, source=Status.OPEN, target=Status.ACKNOWLEDGED)
-    def acknowledge(self):
-        pass
-
-    @transition(field=status, source=[Status.OPEN, Status.ACKNOWLEDGED], target=Status.RESOLVED)
-    def resolve(self):
-        pass
+    acknowledge = StateMove(status, source=Status.OPEN, target=Status.ACKNOWLEDGED)
+    resolve = StateMove(status, source=[Status.OPEN, Status.ACKNOWLEDGED], target=Status.RESOLVED)
 
 
 OPEN_ESCALATION_STATES = (EscalationTicket.Status.OPEN, EscalationTicket.Status.ACKNOWLEDGED)

@@ -5,17 +5,18 @@ from __future__ import annotations
 from django.db import models
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
+from core.fsm import StateMove
 from runs.models.run import MAX_RETRIES_PER_LEVEL, FailureMode, ParallelismMode, Run
 
 
 class NodeStatus(models.TextChoices):
-    PENDING = "pending", "Pending"
-    RUNNING = "running", "Running"
-    PAUSED = "paused", "Paused"
-    COMPLETED = "completed", "Completed"
-    FAILED = "failed", "Failed"
-    SKIPPED = "skipped", "Skipped"
-    CANCELLED = "cancelled", "Cancelled"
+    PENDING = "pending"
+    RUNNING = "running"
+    PAUSED = "paused"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    CANCELLED = "cancelled"
 
 
 LIVE_NODE_STATES = frozenset({NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED})
@@ -37,36 +38,16 @@ class HierarchyNode(ConcurrentTransitionMixin, models.Model):
     class Meta:
         abstract = True
 
-    @transition(field=status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
-    def begin(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
-    def pause(self):
-        pass
-
-    @transition(field=status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
-    def unpause(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.RUNNING, NodeStatus.PAUSED], target=NodeStatus.COMPLETED)
-    def complete(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.FAILED)
-    def fail(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.SKIPPED)
-    def skip(self):
-        pass
-
-    @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
-                target=NodeStatus.CANCELLED)
-    def cancel(self):
-        pass
+    begin = StateMove(status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
+    pause = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
+    unpause = StateMove(status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
+    complete = StateMove(status, source=[NodeStatus.RUNNING, NodeStatus.PAUSED], target=NodeStatus.COMPLETED)
+    fail = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                     target=NodeStatus.FAILED)
+    skip = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                     target=NodeStatus.SKIPPED)
+    cancel = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED],
+                       target=NodeStatus.CANCELLED)
 
     @transition(field=status, source=[NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus.PAUSED,
                                       NodeStatus.COMPLETED, NodeStatus.FAILED, NodeStatus.SKIPPED,
@@ -120,9 +101,9 @@ class Step(HierarchyNode):
     """One tool invocation (or a gate). Each execution is a ``StepAttempt``."""
 
     class Kind(models.TextChoices):
-        TOOL = "tool", "Tool"
-        CHECK = "check", "Check"
-        APPROVAL = "approval", "Approval"
+        TOOL = "tool"
+        CHECK = "check"
+        APPROVAL = "approval"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="steps")
@@ -148,10 +129,10 @@ class StepAttempt(models.Model):
     """One execution of a step; its idempotency key is unique, so a replay never runs twice."""
 
     class Outcome(models.TextChoices):
-        RUNNING = "running", "Running"
-        SUCCEEDED = "succeeded", "Succeeded"
-        FAILED = "failed", "Failed"
-        DISCARDED = "discarded", "Discarded"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        DISCARDED = "discarded"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="step_attempts")
     step = models.ForeignKey(Step, on_delete=models.CASCADE, related_name="step_attempts")

@@ -15,9 +15,9 @@ class ApprovalRequest(models.Model):
     and an approval reference that no other run or gate has used."""
 
     class Status(models.TextChoices):
-        PENDING = "pending", "Pending"
-        APPROVED = "approved", "Approved"
-        VOIDED = "voided", "Voided"
+        PENDING = "pending"
+        APPROVED = "approved"
+        VOIDED = "voided"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approval_requests")
     attempt_number = models.PositiveIntegerField()
@@ -46,9 +46,9 @@ class PhaseRecord(models.Model):
     how much running time it used (the attempt's running clock at its start and end) and its result."""
 
     class Result(models.TextChoices):
-        RUNNING = "running", "Running"
-        PASSED = "passed", "Passed"
-        FAILED = "failed", "Failed"
+        RUNNING = "running"
+        PASSED = "passed"
+        FAILED = "failed"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="phase_records")
     attempt_number = models.PositiveIntegerField()
@@ -82,7 +82,7 @@ class GateReceipt(models.Model):
     receipts from re-checking the last passed gate when a stopped run resumes."""
 
     class Kind(models.TextChoices):
-        GATE = "gate", "Gate"
+        GATE = "gate"
         REVALIDATION = "revalidation", "Revalidation on resume"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="gate_receipts")
@@ -150,12 +150,12 @@ class DriftRecord(models.Model):
     ``stopped_drift:<dimension>`` until an operator acknowledges it with a reason."""
 
     class Kind(models.TextChoices):
-        PIN = "pin", "Pin"
+        PIN = "pin"
         INVARIANT = "invariant", "Gate invariant"
 
     class Status(models.TextChoices):
-        OPEN = "open", "Open"
-        ACKNOWLEDGED = "acknowledged", "Acknowledged"
+        OPEN = "open"
+        ACKNOWLEDGED = "acknowledged"
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="drift_records")
     attempt_number = models.PositiveIntegerField()

@@ -7,18 +7,19 @@ from django.db import models
 from django.db.models.functions import Coalesce
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
+from core.fsm import StateMove
 from core.models import Organization, Project
 
 
 class FailureMode(models.TextChoices):
     FAIL_FAST = "fail-fast", "Fail fast"
-    CONTINUE = "continue", "Continue"
-    RETRY = "retry", "Retry"
+    CONTINUE = "continue"
+    RETRY = "retry"
 
 
 class ParallelismMode(models.TextChoices):
-    SEQUENTIAL = "sequential", "Sequential"
-    PARALLEL = "parallel", "Parallel"
+    SEQUENTIAL = "sequential"
+    PARALLEL = "parallel"
     DAG = "dag", "DAG"
 
 
@@ -39,15 +40,15 @@ class Run(ConcurrentTransitionMixin, models.Model):
     """
 
     class Status(models.TextChoices):
-        CREATED = "created", "Created"
-        PENDING = "pending", "Pending"
-        RUNNING = "running", "Running"
-        PAUSED = "paused", "Paused"
-        RESUMING = "resuming", "Resuming"
-        COMPLETED = "completed", "Completed"
-        FAILED = "failed", "Failed"
-        CANCELLED = "cancelled", "Cancelled"
-        RETRYING = "retrying", "Retrying"
+        CREATED = "created"
+        PENDING = "pending"
+        RUNNING = "running"
+        PAUSED = "paused"
+        RESUMING = "resuming"
+        COMPLETED = "completed"
+        FAILED = "failed"
+        CANCELLED = "cancelled"
+        RETRYING = "retrying"
 
     organization = models.ForeignKey(Organization, on_delete=models.PROTECT, related_name="runs")
     project = models.ForeignKey(Project, on_delete=models.PROTECT, related_name="runs")
@@ -130,47 +131,24 @@ class Run(ConcurrentTransitionMixin, models.Model):
     def has_attempts_left(self) -> bool:
         return self.attempt_number < self.max_attempts
 
-    @transition(field=status, source=Status.CREATED, target=Status.PENDING)
-    def start(self):
-        pass
-
-    @transition(field=status, source=[Status.PENDING, Status.RESUMING], target=Status.RUNNING)
-    def mark_running(self):
-        pass
-
-    @transition(field=status, source=Status.RUNNING, target=Status.COMPLETED)
-    def complete(self):
-        pass
-
-    @transition(field=status, source=[Status.PENDING, Status.RUNNING, Status.RESUMING, Status.RETRYING],
-                target=Status.FAILED)
-    def fail(self):
-        pass
-
-    @transition(field=status, source=Status.RUNNING, target=Status.PAUSED)
-    def pause(self):
-        pass
-
-    @transition(field=status, source=Status.PAUSED, target=Status.RESUMING)
-    def resume(self):
-        pass
-
-    @transition(field=status, source=[Status.CREATED, Status.PENDING, Status.RUNNING, Status.PAUSED],
-                target=Status.CANCELLED)
-    def cancel(self):
-        pass
+    start = StateMove(status, source=Status.CREATED, target=Status.PENDING)
+    mark_running = StateMove(status, source=[Status.PENDING, Status.RESUMING], target=Status.RUNNING)
+    complete = StateMove(status, source=Status.RUNNING, target=Status.COMPLETED)
+    fail = StateMove(status, source=[Status.PENDING, Status.RUNNING, Status.RESUMING, Status.RETRYING],
+                     target=Status.FAILED)
+    pause = StateMove(status, source=Status.RUNNING, target=Status.PAUSED)
+    resume = StateMove(status, source=Status.PAUSED, target=Status.RESUMING)
+    cancel = StateMove(status, source=[Status.CREATED, Status.PENDING, Status.RUNNING, Status.PAUSED],
+                       target=Status.CANCELLED)
 
     @transition(field=status, source=Status.FAILED, target=Status.RETRYING, conditions=[has_attempts_left])
     def retry(self):
         self.attempt_number += 1
 
-    @transition(field=status, source=Status.RETRYING, target=Status.PENDING)
-    def requeue(self):
-        pass
+    requeue = StateMove(status, source=Status.RETRYING, target=Status.PENDING)
 
-    @transition(field=status, source=[Status.PAUSED, Status.FAILED], target=Status.CANCELLED)
-    def void(self):
-        """A stopped run (paused, or failed) is voided by an operator: it ends as cancelled."""
+    # A stopped run (paused, or failed) is voided by an operator: it ends as cancelled.
+    void = StateMove(status, source=[Status.PAUSED, Status.FAILED], target=Status.CANCELLED)
 
     @property
     def is_terminal(self) -> bool:

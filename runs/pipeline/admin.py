@@ -8,19 +8,12 @@ from django.contrib import admin
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpResponse
-from django.urls import path, reverse
+from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
 from core.admin import ReadOnlyAdmin
-from core.admin_runbooks import recent_filter
-from runs.models import (
-    ContextPin,
-    DriftRecord,
-    GateReceipt,
-    PhaseRecord,
-    PipelineKey,
-    Run,
-)
+from core.admin_runbooks import object_path, recent_filter
+from runs.models import ContextPin, DriftRecord, GateReceipt, PhaseRecord, PipelineKey, Run
 from runs.pipeline.sidecar import sidecar_json
 
 
@@ -28,10 +21,7 @@ class RunPipelineAdminMixin:
     """Adds to the run admin: the pipeline panel and ``<id>/sidecar/``."""
 
     def get_urls(self):
-        opts = self.model._meta
-        urls = [path("<path:object_id>/sidecar/", self.admin_site.admin_view(self.sidecar_view),
-                     name=f"{opts.app_label}_{opts.model_name}_sidecar")]
-        return urls + super().get_urls()
+        return [object_path(self, "sidecar", self.sidecar_view, "sidecar"), *super().get_urls()]
 
     def sidecar_view(self, request, object_id):
         """The run's sidecar (seed 002 §5) as a JSON download; the view permission suffices."""

@@ -16,15 +16,7 @@ from typing import Any
 
 from django.utils import timezone
 
-from runs.models import (
-    ApprovalRequest,
-    ContextPin,
-    DriftRecord,
-    GateReceipt,
-    PhaseRecord,
-    PipelineKey,
-    Run,
-)
+from runs.models import ApprovalRequest, ContextPin, DriftRecord, GateReceipt, PhaseRecord, PipelineKey, Run
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("sidecar.schema.json")

@@ -88,6 +88,16 @@ def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str
     return ticket
 
 
+def _ticket_moved(ticket: EscalationTicket, *, before: str, actor, action: str, reason: str) -> EscalationTicket:
+    """Save a ticket an operator moved on, with its event and its audit row (in the caller's transaction)."""
+    ticket.save()
+    _emit(ticket, before=before)
+    audit_record(actor=actor, action=action, target_type="escalation", target_id=ticket.pk,
+                 organization_id=ticket.organization_id, run_id=ticket.run_id, reason=reason,
+                 before={"status": before}, after={"status": ticket.status})
+    return ticket
+
+
 @transaction.atomic
 def escalation_acknowledge(*, ticket_id: int, actor, reason: str = "") -> EscalationTicket:
     """open → acknowledged. Already acknowledged: no-op."""
@@ -101,12 +111,7 @@ def escalation_acknowledge(*, ticket_id: int, actor, reason: str = "") -> Escala
     ticket.acknowledge()
     ticket.acknowledged_at = timezone.now()
     ticket.acknowledged_by = actor if getattr(actor, "pk", None) else None
-    ticket.save()
-    _emit(ticket, before=before)
-    audit_record(actor=actor, action="escalation_acknowledge", target_type="escalation", target_id=ticket.pk,
-                 organization_id=ticket.organization_id, run_id=ticket.run_id, reason=reason,
-                 before={"status": before}, after={"status": ticket.status})
-    return ticket
+    return _ticket_moved(ticket, before=before, actor=actor, action="escalation_acknowledge", reason=reason)
 
 
 @transaction.atomic
@@ -122,12 +127,7 @@ def escalation_resolve(*, ticket_id: int, actor, reason: str) -> EscalationTicke
     ticket.resolved_at = timezone.now()
     ticket.resolved_by = actor if getattr(actor, "pk", None) else None
     ticket.resolution = reason
-    ticket.save()
-    _emit(ticket, before=before)
-    audit_record(actor=actor, action="escalation_resolve", target_type="escalation", target_id=ticket.pk,
-                 organization_id=ticket.organization_id, run_id=ticket.run_id, reason=reason,
-                 before={"status": before}, after={"status": ticket.status})
-    return ticket
+    return _ticket_moved(ticket, before=before, actor=actor, action="escalation_resolve", reason=reason)
 
 
 def escalations_evaluate(*, run: Run, failed_attempt: StepAttempt, uncapped_delay_ms: int | None,
