@@ -1,8 +1,10 @@
 """The jobs app's part of ``/metrics``: queue depth and wait by project and type, jobs executing,
-the aged background jobs, and the workers' liveness.
+the aged background jobs, and the workers' liveness; and the queue's counters.
 
-``jobs_collect`` is registered in ``core.metrics.COLLECTORS`` (``JobsConfig.ready``); it reads the
-job and heartbeat tables at scrape time, so every process answers the same figures.
+``jobs_collect`` is registered in ``core.metrics.COLLECTORS`` and ``JOB_COUNTERS`` (attempts,
+retries, finished jobs, run and wait time: ``jobs.counters``) in ``core.metrics.DERIVED``
+(``JobsConfig.ready``); both read the job and heartbeat tables at scrape time, so every process
+answers the same figures.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ from django.conf import settings
 from django.db.models import Count, Min, Q
 from prometheus_client.core import GaugeMetricFamily
 
-from jobs.models import ACTIVE_JOB_STATES, WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
+from jobs.counters import job_counter_source
+from jobs.models import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
 
 # Waiting as the queue caps count it (every state before executing), and claimable (queued or
 # awaiting a tool: claimed once ``not_before`` has passed).
 WAITING_STATES = tuple(sorted(ACTIVE_JOB_STATES - {JobState.EXECUTING}))
 CLAIMABLE_STATES = tuple(sorted(WAITING_JOB_STATES))
 WORKERS_LISTED = 50
+JOB_COUNTERS = job_counter_source(Job._meta.db_table, TERMINAL_JOB_STATES)
 
 
 def jobs_collect(now: datetime) -> Iterator:

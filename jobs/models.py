@@ -8,10 +8,12 @@ self-transitions allowed, terminal states immutable, every other move an explici
 from __future__ import annotations
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django_fsm import ConcurrentTransitionMixin, FSMField, transition
 
+from core.metrics import metrics_fold
 from core.models import Organization, Project
+from jobs.counters import TALLY_FIELDS, job_tally
 
 
 class JobState(models.TextChoices):
@@ -74,6 +76,35 @@ class PriorityClass(models.TextChoices):
     BACKGROUND = "background", "Background"
 
 
+DELETE_CHUNK = 10_000
+
+
+class JobQuerySet(models.QuerySet):
+    def delete(self):
+        """Delete the jobs and add what they counted (``jobs.counters``) to the metrics base in the
+        same transaction: the counters derived from the job table never go down. The rows are
+        locked first, so two deletes of the same jobs never add them twice."""
+        if self.query.is_sliced:
+            raise TypeError("Cannot use 'limit' or 'offset' with delete().")
+        with transaction.atomic(using=self.db):
+            rows = list(self.order_by().select_for_update().values_list("pk", *TALLY_FIELDS))
+            if not rows:
+                return 0, {}
+            metrics_fold(job_tally((row[1:] for row in rows), TERMINAL_JOB_STATES))
+            ids = [row[0] for row in rows]
+            deleted, by_model = 0, {}
+            for start in range(0, len(ids), DELETE_CHUNK):
+                count, counts = models.QuerySet(self.model, using=self.db).filter(
+                    pk__in=ids[start:start + DELETE_CHUNK]).delete()
+                deleted += count
+                for label, n in counts.items():
+                    by_model[label] = by_model.get(label, 0) + n
+            return deleted, by_model
+
+    delete.alters_data = True
+    delete.queryset_only = True
+
+
 class Job(ConcurrentTransitionMixin, models.Model):
     """A unit of queued work of a registered type, owned by a project.
 
@@ -127,6 +158,8 @@ class Job(ConcurrentTransitionMixin, models.Model):
     completed_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
+    objects = JobQuerySet.as_manager()
+
     class Meta:
         ordering = ["-id"]
         indexes = [
@@ -162,6 +195,12 @@ class Job(ConcurrentTransitionMixin, models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_JOB_STATES
+
+    def delete(self, using=None, keep_parents=False):
+        """One job, deleted as ``JobQuerySet.delete`` does (its counts move to the metrics base)."""
+        result = Job.objects.using(using or self._state.db).filter(pk=self.pk).delete()
+        self.pk = None
+        return result
 
     # One transition per target state; sources come from the matrix above.
     @transition(field=state, source=_sources(S.RECEIVED), target=S.RECEIVED)
