@@ -173,6 +173,11 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["state", "id"], name="job_state_id_idx"),
             models.Index(fields=["type", "id"], name="job_type_id_idx"),
             models.Index(fields=["project", "id"], name="job_project_id_idx"),
+            # Active jobs with a deadline: the maintenance probe and the deadline sweep.
+            models.Index(fields=["deadline_at"], name="job_active_deadline_idx",
+                         condition=models.Q(deadline_at__isnull=False) & models.Q(
+                             state__in=["received", "queued", "executing", "awaiting_tool",
+                                        "awaiting_user_confirmation"])),
         ]
         constraints = [
             models.UniqueConstraint(fields=["lane"], condition=models.Q(state="executing") & ~models.Q(lane=""),
