@@ -234,9 +234,12 @@ def metrics_fold(tally: Tally, *, sign: int = 1) -> None:
 
 def _series_sql() -> tuple[str, list]:
     tables = metric_tables()
-    nulls = lambda first, last, prefix: [f"NULL AS {prefix}{i}" for i in range(first, last + 1)]  # noqa: E731
-    base = ", ".join(["0 AS src", "name AS k1", "labels AS k2", *nulls(3, KEY_COLUMNS, "k"),
-                      "SUM(count) AS v1", "SUM(total) AS v2", *nulls(3, VALUE_COLUMNS, "v")])
+    # Every column has one type in every branch (PostgreSQL matches the branches' types).
+    key = lambda i, expression="NULL": f"CAST({expression} AS TEXT) AS k{i}"  # noqa: E731
+    number = lambda i, expression="NULL": f"CAST({expression} AS NUMERIC) AS v{i}"  # noqa: E731
+    base = ", ".join(["0 AS src", key(1, "name"), key(2, "labels"), *(key(i) for i in range(3, KEY_COLUMNS + 1)),
+                      number(1, "SUM(count)"), number(2, "SUM(total)"),
+                      *(number(i) for i in range(3, VALUE_COLUMNS + 1))])
     parts = [f"SELECT * FROM (SELECT {base} FROM (SELECT name, labels, count, total FROM {tables['total']} "
              f"UNION ALL SELECT name, labels, count, total FROM {tables['delta']}) AS stored "
              f"GROUP BY name, labels) AS base"]
@@ -244,8 +247,8 @@ def _series_sql() -> tuple[str, list]:
     for index, source in enumerate(DERIVED, start=1):
         sql, source_params = source.sql()
         columns = [f"{index} AS src"]
-        columns += [f"d.k{i}" if i <= source.keys else f"NULL AS k{i}" for i in range(1, KEY_COLUMNS + 1)]
-        columns += [f"d.v{i}" if i <= source.values else f"NULL AS v{i}" for i in range(1, VALUE_COLUMNS + 1)]
+        columns += [key(i, f"d.k{i}") if i <= source.keys else key(i) for i in range(1, KEY_COLUMNS + 1)]
+        columns += [number(i, f"d.v{i}") if i <= source.values else number(i) for i in range(1, VALUE_COLUMNS + 1)]
         parts.append(f"SELECT {', '.join(columns)} FROM ({sql}) AS d")
         params += source_params
     return " UNION ALL ".join(parts), params
