@@ -179,30 +179,60 @@ DERIVED: list[Derived] = []
 
 # Bucket bounds in whole microseconds: a duration of ``us`` microseconds is in bucket ``le`` when
 # ``us <= bound``, exactly as ``bucket_of(us / 1e6)`` decides (both are exact at the bounds).
-BUCKET_BOUNDS_US = tuple((int(round(bound * 1_000_000)), floatToGoString(bound)) for bound in BUCKETS
-                         if not math.isinf(bound))
+BUCKET_BOUNDS_US = tuple(int(round(bound * 1_000_000)) for bound in BUCKETS if not math.isinf(bound))
+BUCKET_LABELS = tuple(floatToGoString(bound) for bound in BUCKETS)  # by bucket index; the last is +Inf
 
 
 def bucket_sql(micros: str) -> str:
-    """SQL: the ``le`` label of a duration in microseconds (NULL stays NULL)."""
-    whens = " ".join(f"WHEN {micros} <= {bound} THEN '{label}'" for bound, label in BUCKET_BOUNDS_US)
-    return f"CASE WHEN {micros} IS NULL THEN NULL {whens} ELSE '+Inf' END"
+    """SQL: the index in ``BUCKET_LABELS`` of the bucket of a duration in microseconds (NULL stays
+    NULL). ``micros`` should be a plain column (the expression repeats it)."""
+    if connection.vendor == "postgresql":
+        # The number of bounds below ``us`` (``us`` and the bounds are whole microseconds).
+        bounds = ",".join(str(bound) for bound in BUCKET_BOUNDS_US)
+        return f"width_bucket({micros} - 1, ARRAY[{bounds}]::bigint[])"
+    whens = " ".join(f"WHEN {micros} <= {bound} THEN {index}" for index, bound in enumerate(BUCKET_BOUNDS_US))
+    return f"CASE WHEN {micros} IS NULL THEN NULL {whens} ELSE {len(BUCKET_BOUNDS_US)} END"
 
 
-def micros_sql(column: str) -> str:
-    """SQL: a datetime column as whole microseconds since the epoch (exact, on both databases).
+def bucket_label(index) -> str | None:
+    """The ``le`` label of a bucket index read back from ``bucket_sql`` (None: no observation)."""
+    return None if index is None else BUCKET_LABELS[int(index)]
+
+
+def micros_between_sql(start: str, end: str) -> str:
+    """SQL: whole microseconds from datetime ``start`` to ``end`` (exact, on both databases).
 
     Run it with a parameter list (even an empty one): the ``%%`` is a literal ``%`` then."""
     if connection.vendor == "postgresql":
-        return f"(EXTRACT(EPOCH FROM {column}) * 1000000)::bigint"
-    # SQLite keeps 'YYYY-MM-DD HH:MM:SS[.ffffff]' (UTC): whole seconds, then the fraction.
-    return (f"(CAST(strftime('%%s', {column}) AS INTEGER) * 1000000 + CASE WHEN length({column}) > 19 "
-            f"THEN CAST(substr({column} || '000000', 21, 6) AS INTEGER) ELSE 0 END)")
+        # An interval's epoch as a double is exact to the microsecond for any span under 285 years.
+        return f"round(date_part('epoch', {end} - {start}) * 1000000)::bigint"
+
+    def micros(column):  # SQLite keeps 'YYYY-MM-DD HH:MM:SS[.ffffff]' (UTC): seconds, then the fraction
+        return (f"(CAST(strftime('%%s', {column}) AS INTEGER) * 1000000 + CASE WHEN length({column}) > 19 "
+                f"THEN CAST(substr({column} || '000000', 21, 6) AS INTEGER) ELSE 0 END)")
+
+    return f"({micros(end)} - {micros(start)})"
+
+
+def fence_sql() -> str:
+    """What ends a subquery so the planner computes its columns once per row instead of inlining
+    them into the outer query (PostgreSQL ``OFFSET 0``, SQLite ``LIMIT -1``)."""
+    return " OFFSET 0" if connection.vendor == "postgresql" else " LIMIT -1"
 
 
 def micros_between(start, end) -> int:
-    """Whole microseconds from ``start`` to ``end`` (what ``micros_sql`` differences give)."""
+    """Whole microseconds from ``start`` to ``end`` (what ``micros_between_sql`` gives)."""
     return (end - start) // timedelta(microseconds=1)
+
+
+MICROS_PREFIX = "_us:"
+
+
+def micros_series(histogram: str) -> str:
+    """The hidden series that keeps a derived histogram's sum in whole microseconds (in ``count``,
+    exact): moving rows from the tables to the base never changes it by a rounding, so the
+    exposed ``_sum`` never goes down."""
+    return MICROS_PREFIX + histogram
 
 
 class Tally:
@@ -217,8 +247,11 @@ class Tally:
         entry[1] += total
 
     def observe_micros(self, name: str, micros: int, **labels: Any) -> None:
-        seconds = max(0, micros) / 1_000_000
-        self.add(name, {**labels, "le": bucket_of(seconds)}, 1, seconds)
+        """One observation of histogram ``name``: its bucket counts one, and its sum adds whole
+        microseconds (``micros_series``)."""
+        micros = max(0, micros)
+        self.add(name, {**labels, "le": bucket_of(micros / 1_000_000)}, 1)
+        self.add(micros_series(name), labels, micros)
 
     def rows(self, sign: int = 1) -> list[MetricDelta]:
         return [MetricDelta(name=name, labels=labels, count=sign * int(count), total=sign * float(total))
@@ -276,6 +309,11 @@ def metric_series() -> dict[tuple[str, str], tuple[int, float]]:
             continue
         for name, labels, count, total in DERIVED[src - 1].series(keys, values):
             add((name, labels_key(labels)), count, total)
+    for (name, labels_text), (micros, _) in list(series.items()):
+        if name.startswith(MICROS_PREFIX):  # a histogram's sum in microseconds: its +Inf bucket's total
+            labels = {**json.loads(labels_text), "le": "+Inf"}
+            entry = series.setdefault((name[len(MICROS_PREFIX):], labels_key(labels)), [0, 0.0])
+            entry[1] += micros / 1_000_000
     return {key: (count, total) for key, (count, total) in series.items() if not key[0].startswith("_")}
 
 

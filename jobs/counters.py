@@ -26,7 +26,8 @@ from typing import Any, Iterable
 
 from django.db import connection
 
-from core.metrics import Derived, Tally, bucket_sql, micros_between, micros_sql
+from core.metrics import (Derived, Tally, bucket_label, bucket_sql, fence_sql, micros_between, micros_between_sql,
+                          micros_series)
 
 # The columns ``job_tally`` reads, in order.
 TALLY_FIELDS = ("type", "state", "reason", "priority_class", "attempts", "started_at", "completed_at", "queued_at",
@@ -54,18 +55,20 @@ def job_tally(rows: Iterable[tuple], terminal_states: Iterable[str]) -> Tally:
 
 
 def job_counter_sql(table: str, terminal_states: Iterable[str]) -> tuple[str, list]:
-    """One grouped pass over the job table (``Derived.sql`` of ``job_counter_source``)."""
+    """One grouped pass over the job table (``Derived.sql`` of ``job_counter_source``): each row's
+    run and wait time computed once (a fenced subquery), grouped by type, state, reason, priority
+    class and the two buckets (a few hundred groups, whatever the number of jobs)."""
     terminal = sorted(terminal_states)
     marks = ", ".join(["%s"] * len(terminal))
     q = connection.ops.quote_name
-    started, completed = micros_sql(q("started_at")), micros_sql(q("completed_at"))
-    queued = micros_sql(f"COALESCE({q('queued_at')}, {q('created_at')})")
+    run_us = micros_between_sql(q("started_at"), q("completed_at"))
+    wait_us = micros_between_sql(f"COALESCE({q('queued_at')}, {q('created_at')})", q("started_at"))
     rows = (f"SELECT {q('type')} AS type, {q('state')} AS state, {q('reason')} AS reason, "
             f"{q('priority_class')} AS priority, {q('attempts')} AS attempts, "
             f"CASE WHEN {q('state')} IN ({marks}) AND {q('started_at')} IS NOT NULL "
-            f"AND {q('completed_at')} IS NOT NULL THEN {completed} - {started} END AS run_us, "
-            f"CASE WHEN {q('attempts')} > 0 AND {q('started_at')} IS NOT NULL THEN {started} - {queued} END AS wait_us "
-            f"FROM {q(table)} WHERE {q('attempts')} > 0 OR {q('state')} IN ({marks})")
+            f"AND {q('completed_at')} IS NOT NULL THEN {run_us} END AS run_us, "
+            f"CASE WHEN {q('attempts')} > 0 AND {q('started_at')} IS NOT NULL THEN {wait_us} END AS wait_us "
+            f"FROM {q(table)} WHERE {q('attempts')} > 0 OR {q('state')} IN ({marks}){fence_sql()}")
     sql = (f"SELECT type AS k1, state AS k2, reason AS k3, priority AS k4, "
            f"{bucket_sql('run_us')} AS k5, {bucket_sql('wait_us')} AS k6, "
            f"COUNT(*) AS v1, SUM(attempts) AS v2, SUM(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END) AS v3, "
@@ -79,7 +82,8 @@ def job_counter_series(terminal_states: Iterable[str]):
     terminal = frozenset(terminal_states)
 
     def series(keys: tuple, values: tuple) -> Iterable[tuple[str, dict[str, Any], float, float]]:
-        job_type, state, reason, priority, run_le, wait_le = keys[:6]
+        job_type, state, reason, priority = keys[:4]
+        run_le, wait_le = bucket_label(keys[4]), bucket_label(keys[5])
         count, attempts, retries, run_us, wait_us = (value or 0 for value in values[:5])
         if attempts:
             yield "job_attempts", {"type": job_type}, attempts, 0.0
@@ -88,11 +92,11 @@ def job_counter_series(terminal_states: Iterable[str]):
         if state in terminal:
             yield "job_finished", {"type": job_type, "state": state, "reason": reason}, count, 0.0
         if run_le is not None:
-            yield "job_run_seconds", {"type": job_type, "state": state, "le": run_le}, count, \
-                float(run_us) / 1_000_000
+            yield "job_run_seconds", {"type": job_type, "state": state, "le": run_le}, count, 0.0
+            yield micros_series("job_run_seconds"), {"type": job_type, "state": state}, run_us, 0.0
         if wait_le is not None:
-            yield "job_wait_seconds", {"type": job_type, "priority": priority, "le": wait_le}, count, \
-                float(wait_us) / 1_000_000
+            yield "job_wait_seconds", {"type": job_type, "priority": priority, "le": wait_le}, count, 0.0
+            yield micros_series("job_wait_seconds"), {"type": job_type, "priority": priority}, wait_us, 0.0
 
     return series
 
