@@ -139,7 +139,9 @@ def _compact_batch(batch: int) -> int:
 
 
 def metrics_compact(*, batch: int = COMPACT_BATCH, max_batches: int | None = None) -> int:
-    """Fold pending ``MetricDelta`` rows into ``MetricTotal`` in batches; returns rows folded."""
+    """Run the apps' roll-ups (``COMPACTORS``: they may add samples), then fold pending
+    ``MetricDelta`` rows into ``MetricTotal`` in batches; returns rows rolled up and folded."""
+    rolled = sum(compact() for compact in COMPACTORS)
     folded = 0
     batches = 0
     while max_batches is None or batches < max_batches:
@@ -148,7 +150,7 @@ def metrics_compact(*, batch: int = COMPACT_BATCH, max_batches: int | None = Non
         batches += 1
         if moved < batch:
             break
-    return folded + sum(compact() for compact in COMPACTORS)
+    return folded + rolled
 
 
 # --- series derived from the tables ----------------------------------------------------------

@@ -14,10 +14,13 @@ job_wait_seconds       ``started_at - queued_at`` (or ``created_at``) of jobs th
                        and priority class
 =====================  ==========================================================================
 
-``job_counter_source`` is the SQL of all five in one pass over the table; ``job_tally`` computes
-the same figures in Python for rows about to be deleted, which ``JobQuerySet.delete`` adds to the
-metrics base in the deleting transaction (``core.metrics.metrics_fold``). Both measure durations
-in whole microseconds, so a duration on a bucket bound lands in the same bucket either way.
+``job_counter_source`` is the SQL of all five in one pass over the jobs not ``counted`` yet;
+``job_tally`` computes the same figures in Python for rows that leave that set: terminal jobs the
+roll-up marks ``counted`` (``jobs.metrics.job_counters_rollup``, run by every scrape and prune:
+the scrape reads only recent and live jobs), and uncounted rows ``JobQuerySet.delete`` removes;
+either adds them to the metrics base in its own transaction (``core.metrics.metrics_fold``).
+Both measure durations in whole microseconds, so a duration on a bucket bound lands in the same
+bucket either way.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ def job_counter_sql(table: str, terminal_states: Iterable[str]) -> tuple[str, li
             f"CASE WHEN {q('state')} IN ({marks}) AND {q('started_at')} IS NOT NULL "
             f"AND {q('completed_at')} IS NOT NULL THEN {run_us} END AS run_us, "
             f"CASE WHEN {q('attempts')} > 0 AND {q('started_at')} IS NOT NULL THEN {wait_us} END AS wait_us "
-            f"FROM {q(table)} WHERE {q('attempts')} > 0 OR {q('state')} IN ({marks}){fence_sql()}")
+            f"FROM {q(table)} WHERE NOT {q('counted')} AND ({q('attempts')} > 0 OR {q('state')} IN ({marks}))"
+            f"{fence_sql()}")
     sql = (f"SELECT type AS k1, state AS k2, reason AS k3, priority AS k4, "
            f"{bucket_sql('run_us')} AS k5, {bucket_sql('wait_us')} AS k6, "
            f"COUNT(*) AS v1, SUM(attempts) AS v2, SUM(CASE WHEN attempts > 1 THEN attempts - 1 ELSE 0 END) AS v3, "

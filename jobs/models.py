@@ -87,10 +87,11 @@ class JobQuerySet(models.QuerySet):
         if self.query.is_sliced:
             raise TypeError("Cannot use 'limit' or 'offset' with delete().")
         with transaction.atomic(using=self.db):
-            rows = list(self.order_by().select_for_update().values_list("pk", *TALLY_FIELDS))
+            rows = list(self.order_by().select_for_update().values_list("pk", "counted", *TALLY_FIELDS))
             if not rows:
                 return 0, {}
-            metrics_fold(job_tally((row[1:] for row in rows), TERMINAL_JOB_STATES))
+            # A job the roll-up already counted (``counted``) is in the base already.
+            metrics_fold(job_tally((row[2:] for row in rows if not row[1]), TERMINAL_JOB_STATES))
             ids = [row[0] for row in rows]
             deleted, by_model = 0, {}
             for start in range(0, len(ids), DELETE_CHUNK):
@@ -157,6 +158,9 @@ class Job(ConcurrentTransitionMixin, models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # Set once by the counters' roll-up (``jobs.metrics.job_counters_rollup``) when a terminal job's
+    # counts move to the metrics base; never written by a save (see ``save``).
+    counted = models.BooleanField(default=False, db_default=False, editable=False)
 
     objects = JobQuerySet.as_manager()
 
@@ -173,6 +177,8 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["state", "id"], name="job_state_id_idx"),
             models.Index(fields=["type", "id"], name="job_type_id_idx"),
             models.Index(fields=["project", "id"], name="job_project_id_idx"),
+            # Jobs whose counts are not in the metrics base yet: what a scrape derives its counters from.
+            models.Index(fields=["id"], name="job_uncounted_idx", condition=models.Q(counted=False)),
             # Active jobs with a deadline: the maintenance probe and the deadline sweep.
             models.Index(fields=["deadline_at"], name="job_active_deadline_idx",
                          condition=models.Q(deadline_at__isnull=False) & models.Q(
@@ -200,6 +206,15 @@ class Job(ConcurrentTransitionMixin, models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_JOB_STATES
+
+    def save(self, *args, **kwargs):
+        """A save of a stored job writes every field but ``counted`` (only the roll-up sets it, under
+        the row lock: an instance read before the roll-up must not clear it)."""
+        if not self._state.adding and self.pk is not None and kwargs.get("update_fields") is None \
+                and not kwargs.get("force_insert"):
+            kwargs["update_fields"] = [field.name for field in self._meta.concrete_fields
+                                       if not field.primary_key and field.name != "counted"]
+        return super().save(*args, **kwargs)
 
     def delete(self, using=None, keep_parents=False):
         """One job, deleted as ``JobQuerySet.delete`` does (its counts move to the metrics base)."""

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from console.retention import retention_prune
 from core.models import MetricDelta
 from jobs.executor import job_run_claimed
+from jobs.metrics import job_counters_rollup
 from jobs.models import Job, JobState
 from jobs.registry import RetryPolicy
 from jobs.services import job_cancel, job_claim, job_enqueue, jobs_enforce_deadlines, jobs_recover_expired
@@ -69,8 +70,17 @@ def run_next(worker: str = "w") -> Job:
     return job
 
 
+@pytest.fixture(params=["rolled up", "not rolled up"])
+def rollup(request, monkeypatch):
+    """Each scrape moves finished jobs to the base (the default), or never does: then a prune
+    moves them, from the rows it deletes."""
+    if request.param == "not rolled up":
+        monkeypatch.setattr("jobs.metrics.ROLLUP_MAX_BATCHES", 0)
+    return request.param
+
+
 def test_job_counters_after_a_known_sequence_of_transitions_and_across_a_prune(project, define_job, clock,
-                                                                                settings):
+                                                                                settings, rollup):
     settings.ORCHESTRATOR_QUEUE_LEASE_S = 15
     define_job(type="obs_flaky", run=lambda ctx, payload: (_ for _ in ()).throw(ConnectionError("down")),
                retry=RetryPolicy(max_attempts=2, base_delay_ms=1, jitter=False), lane=lambda p, pid: "")
@@ -154,6 +164,7 @@ def test_job_counters_after_a_known_sequence_of_transitions_and_across_a_prune(p
     assert value(samples, "orchestrator_job_run_seconds_count", type="obs_deadline", state="completed") == 0
 
     # The prune deletes every job: each counter and bucket reads exactly the same afterwards.
+    assert Job.objects.filter(counted=True).count() == (6 if rollup == "rolled up" else 0)
     results = retention_prune(only=["jobs"], now=clock.now + timedelta(days=400))
     assert results[0].done == 6
     assert not Job.objects.exists()
@@ -172,7 +183,8 @@ def test_a_transition_writes_no_metric_row(project):
     assert value(scrape(), "orchestrator_job_completions_total", type="noop", reason="completed") == 3
 
 
-def test_deleting_one_job_or_a_queryset_twice_counts_each_job_once(project):
+def test_deleting_one_job_or_a_queryset_twice_counts_each_job_once(project, monkeypatch):
+    monkeypatch.setattr("jobs.metrics.ROLLUP_MAX_BATCHES", 0)  # the deletes move the counts
     for _ in range(3):
         job_enqueue(job_type="noop", project=project, payload={})
     drain_jobs()
@@ -182,6 +194,24 @@ def test_deleting_one_job_or_a_queryset_twice_counts_each_job_once(project):
     assert Job.objects.filter(pk__in=Job.objects.values("pk")).delete()[0] == 2
     assert Job.objects.all().delete() == (0, {})
     assert counters(scrape()) == before
+
+
+def test_the_rollup_moves_each_finished_job_to_the_base_once(project):
+    for _ in range(3):
+        job_enqueue(job_type="noop", project=project, payload={})
+    drain_jobs()
+    job_enqueue(job_type="noop", project=project, payload={})  # waiting: never rolled up
+    stale = Job.objects.order_by("pk").first()
+    before = counters(scrape())  # the scrape rolls the finished jobs up first
+    assert Job.objects.filter(counted=True).count() == 3
+    assert job_counters_rollup() == 0  # nothing left to move
+    stale.error = "touched"
+    stale.save()  # an instance read before the roll-up does not clear its mark
+    assert Job.objects.get(pk=stale.pk).counted
+    assert counters(scrape()) == before
+    Job.objects.filter(state=JobState.COMPLETED).delete()
+    assert counters(scrape()) == before
+    assert value(before, "orchestrator_job_completions_total", type="noop", reason="completed") == 3
 
 
 @pytest.mark.django_db(transaction=True)
