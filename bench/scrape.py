@@ -81,6 +81,10 @@ def main() -> int:
     started = time.perf_counter()
     metrics.metrics_text()  # the first scrape: folds pending samples (and rolls finished jobs up, where it does)
     print(f"first scrape: {(time.perf_counter() - started) * 1000:.0f} ms")
+    started, rounds = time.perf_counter(), 0
+    while metrics.metrics_compact():  # what the next scrapes (or a prune) do until nothing is left to roll up
+        rounds += 1
+    print(f"rolled up and folded the rest in {rounds} more rounds, {time.perf_counter() - started:.1f} s")
     with connection.cursor() as cursor:
         cursor.execute("VACUUM ANALYZE")  # what autovacuum does after a big roll-up
     times = []

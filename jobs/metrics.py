@@ -9,6 +9,7 @@ answers the same figures.
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 from typing import Iterator
 
@@ -27,8 +28,11 @@ WAITING_STATES = tuple(sorted(ACTIVE_JOB_STATES - {JobState.EXECUTING}))
 CLAIMABLE_STATES = tuple(sorted(WAITING_JOB_STATES))
 WORKERS_LISTED = 50
 JOB_COUNTERS = job_counter_source(Job._meta.db_table, TERMINAL_JOB_STATES)
-ROLLUP_BATCH = 5_000
-ROLLUP_MAX_BATCHES = 20
+ROLLUP_BATCH = 1_000
+ROLLUP_MAX_BATCHES = 50
+# One call stops after this long (a scrape stays fast while a big backlog is rolled up over many
+# scrapes and prunes; what is not rolled up yet is derived from the table meanwhile).
+ROLLUP_MAX_S = 0.25
 
 
 def _rollup_batch(batch: int) -> int:
@@ -61,11 +65,12 @@ def job_counters_rollup(*, batch: int | None = None, max_batches: int | None = N
     recently finished jobs only (``job_uncounted_idx``). Registered in ``core.metrics.COMPACTORS``:
     every scrape and prune runs it. Returns how many jobs it moved."""
     batch = batch or ROLLUP_BATCH
+    deadline = time.monotonic() + ROLLUP_MAX_S
     moved = 0
     for _ in range(ROLLUP_MAX_BATCHES if max_batches is None else max_batches):
         done = _rollup_batch(batch)
         moved += done
-        if done < batch:
+        if done < batch or time.monotonic() >= deadline:
             break
     return moved
 
