@@ -8,7 +8,9 @@ idempotency        ``Idempotency-Key`` records past their expiry
 artifacts          artifact files past ``expires_at``: deleted from storage, the row marked
                    ``deleted_at`` (reading an artifact pushes its expiry forward first, seed
                    001 §8.4, so a download in flight is never pruned under it)
-jobs               terminal jobs finished longer ago than their project's retention
+jobs               terminal jobs finished longer ago than their project's retention (what they
+                   counted moves to the metrics base in the deleting transaction: the
+                   counters derived from the job table never go down)
 events             events older than their project's retention
 rate_limits        request counters of windows that ended
 workers            heartbeats of worker processes not seen within the default retention

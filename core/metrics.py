@@ -2,15 +2,21 @@
 
 Every figure comes from the database, so any process (several daphne behind a load balancer,
 any number of ``qcluster`` workers) answers the same numbers; nothing is counted in process
-memory. Three sources:
+memory. Four sources:
 
-* **Counters and histograms of the queue** (enqueues, dedupe hits, attempts, retries,
-  completions, failures and cancels by type and reason, run and wait time) are ``MetricDelta``
-  rows inserted by the job services in the transaction of the change they count (a rolled-back
-  change counts nothing). The write path only inserts, so no two transactions wait for each
-  other on a counter row; ``metrics_compact`` folds the rows into ``MetricTotal`` in batches
-  (on every scrape and every prune), and a scrape reads totals and pending rows in one
-  statement, so a concurrent fold is never counted twice or missed.
+* **Counters and histograms derived from the tables** (``DERIVED``): the job counters (attempts,
+  retries, completions, failures and cancels by type and reason, run and wait time) are read
+  from the job table, and the finished runs from the run attempts: a transition writes nothing
+  but its own row. Each app registers a ``Derived`` source (its SQL, and how its rows become
+  series) from its ``AppConfig.ready``.
+* **The base** (``MetricTotal`` plus pending ``MetricDelta`` rows): what rows that are gone still
+  count. Deleting a job (the retention prune, or any ``Job`` delete) adds the deleted rows'
+  counts here in the deleting transaction, so a counter never goes down; the rare counts no row
+  keeps (enqueues, dedupe hits) are ``MetricDelta`` rows inserted in the transaction of the
+  change they count. The write path only inserts, so no two transactions wait for each other
+  on a counter row; ``metrics_compact`` folds the rows into ``MetricTotal`` in batches (on
+  every scrape and every prune). A scrape reads the base and every derived source in **one
+  statement** (one snapshot), so a concurrent prune or fold is never counted twice or missed.
 * **The apps' families**: each app above core registers a collector in ``COLLECTORS`` (and a
   fold in ``COMPACTORS``) from its ``AppConfig.ready``: ``billing.metrics`` (credits reserved,
   ledger entries by kind, rolled up from the append-only ledger), ``jobs.metrics`` (queue depth
@@ -28,7 +34,7 @@ import json
 import logging
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Callable, Iterable, Iterator
 
 from django.conf import settings
@@ -133,7 +139,9 @@ def _compact_batch(batch: int) -> int:
 
 
 def metrics_compact(*, batch: int = COMPACT_BATCH, max_batches: int | None = None) -> int:
-    """Fold pending ``MetricDelta`` rows into ``MetricTotal`` in batches; returns rows folded."""
+    """Run the apps' roll-ups (``COMPACTORS``: they may add samples), then fold pending
+    ``MetricDelta`` rows into ``MetricTotal`` in batches; returns rows rolled up and folded."""
+    rolled = sum(compact() for compact in COMPACTORS)
     folded = 0
     batches = 0
     while max_batches is None or batches < max_batches:
@@ -142,23 +150,173 @@ def metrics_compact(*, batch: int = COMPACT_BATCH, max_batches: int | None = Non
         batches += 1
         if moved < batch:
             break
-    return folded + sum(compact() for compact in COMPACTORS)
+    return folded + rolled
+
+
+# --- series derived from the tables ----------------------------------------------------------
+
+KEY_COLUMNS = 7
+VALUE_COLUMNS = 5
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Counters an app derives from its own tables at scrape time.
+
+    ``sql()`` returns ``(sql, params)`` of a query whose columns are named ``k1``…``k<keys>``
+    (text, at most ``KEY_COLUMNS``) and ``v1``…``v<values>`` (numbers, at most ``VALUE_COLUMNS``);
+    ``series(keys, values)``
+    turns one of its rows into ``(name, labels, count, total)`` tuples (a histogram observation's
+    labels carry its ``le``, as ``metric_observation`` writes them).
+    """
+
+    name: str
+    keys: int
+    values: int
+    sql: Callable[[], tuple[str, list]]
+    series: Callable[[tuple, tuple], Iterable[tuple[str, dict[str, Any], float, float]]]
+
+
+DERIVED: list[Derived] = []
+
+# Bucket bounds in whole microseconds: a duration of ``us`` microseconds is in bucket ``le`` when
+# ``us <= bound``, exactly as ``bucket_of(us / 1e6)`` decides (both are exact at the bounds).
+BUCKET_BOUNDS_US = tuple(int(round(bound * 1_000_000)) for bound in BUCKETS if not math.isinf(bound))
+BUCKET_LABELS = tuple(floatToGoString(bound) for bound in BUCKETS)  # by bucket index; the last is +Inf
+
+
+def bucket_sql(micros: str) -> str:
+    """SQL: the index in ``BUCKET_LABELS`` of the bucket of a duration in microseconds (NULL stays
+    NULL). ``micros`` should be a plain column (the expression repeats it)."""
+    if connection.vendor == "postgresql":
+        # The number of bounds below ``us`` (``us`` and the bounds are whole microseconds).
+        bounds = ",".join(str(bound) for bound in BUCKET_BOUNDS_US)
+        return f"width_bucket({micros} - 1, ARRAY[{bounds}]::bigint[])"
+    whens = " ".join(f"WHEN {micros} <= {bound} THEN {index}" for index, bound in enumerate(BUCKET_BOUNDS_US))
+    return f"CASE WHEN {micros} IS NULL THEN NULL {whens} ELSE {len(BUCKET_BOUNDS_US)} END"
+
+
+def bucket_label(index) -> str | None:
+    """The ``le`` label of a bucket index read back from ``bucket_sql`` (None: no observation)."""
+    return None if index is None else BUCKET_LABELS[int(index)]
+
+
+def micros_between_sql(start: str, end: str) -> str:
+    """SQL: whole microseconds from datetime ``start`` to ``end`` (exact, on both databases).
+
+    Run it with a parameter list (even an empty one): the ``%%`` is a literal ``%`` then."""
+    if connection.vendor == "postgresql":
+        # An interval's epoch as a double is exact to the microsecond for any span under 285 years.
+        return f"round(date_part('epoch', {end} - {start}) * 1000000)::bigint"
+
+    def micros(column):  # SQLite keeps 'YYYY-MM-DD HH:MM:SS[.ffffff]' (UTC): seconds, then the fraction
+        return (f"(CAST(strftime('%%s', {column}) AS INTEGER) * 1000000 + CASE WHEN length({column}) > 19 "
+                f"THEN CAST(substr({column} || '000000', 21, 6) AS INTEGER) ELSE 0 END)")
+
+    return f"({micros(end)} - {micros(start)})"
+
+
+def fence_sql() -> str:
+    """What ends a subquery so the planner computes its columns once per row instead of inlining
+    them into the outer query (PostgreSQL ``OFFSET 0``, SQLite ``LIMIT -1``)."""
+    return " OFFSET 0" if connection.vendor == "postgresql" else " LIMIT -1"
+
+
+def micros_between(start, end) -> int:
+    """Whole microseconds from ``start`` to ``end`` (what ``micros_between_sql`` gives)."""
+    return (end - start) // timedelta(microseconds=1)
+
+
+MICROS_PREFIX = "_us:"
+
+
+def micros_series(histogram: str) -> str:
+    """The hidden series that keeps a derived histogram's sum in whole microseconds (in ``count``,
+    exact): moving rows from the tables to the base never changes it by a rounding, so the
+    exposed ``_sum`` never goes down."""
+    return MICROS_PREFIX + histogram
+
+
+class Tally:
+    """Series counts gathered in Python (the rows a delete removes), keyed like the base."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple[str, str], list] = {}
+
+    def add(self, name: str, labels: dict[str, Any], count: float = 1, total: float = 0.0) -> None:
+        entry = self.series.setdefault((name, labels_key(labels)), [0, 0.0])
+        entry[0] += count
+        entry[1] += total
+
+    def observe_micros(self, name: str, micros: int, **labels: Any) -> None:
+        """One observation of histogram ``name``: its bucket counts one, and its sum adds whole
+        microseconds (``micros_series``)."""
+        micros = max(0, micros)
+        self.add(name, {**labels, "le": bucket_of(micros / 1_000_000)}, 1)
+        self.add(micros_series(name), labels, micros)
+
+    def rows(self, sign: int = 1) -> list[MetricDelta]:
+        return [MetricDelta(name=name, labels=labels, count=sign * int(count), total=sign * float(total))
+                for (name, labels), (count, total) in sorted(self.series.items()) if count or total]
+
+
+def metrics_fold(tally: Tally, *, sign: int = 1) -> None:
+    """Add what deleted rows counted to the base, in the caller's (the delete's) transaction."""
+    metrics_add(tally.rows(sign))
 
 
 # --- reading ---------------------------------------------------------------------------------
 
-def metric_series() -> dict[tuple[str, str], tuple[int, float]]:
-    """Every series' ``(count, total)``: totals plus pending rows, read in one statement."""
+def _series_sql() -> tuple[str, list]:
     tables = metric_tables()
-    sql = (f"SELECT name, labels, SUM(count), SUM(total) FROM ("
-           f"SELECT name, labels, count, total FROM {tables['total']} "
-           f"UNION ALL SELECT name, labels, count, total FROM {tables['delta']}) AS series "
-           f"GROUP BY name, labels")
+    # Every column has one type in every branch (PostgreSQL matches the branches' types).
+    key = lambda i, expression="NULL": f"CAST({expression} AS TEXT) AS k{i}"  # noqa: E731
+    number = lambda i, expression="NULL": f"CAST({expression} AS NUMERIC) AS v{i}"  # noqa: E731
+    base = ", ".join(["0 AS src", key(1, "name"), key(2, "labels"), *(key(i) for i in range(3, KEY_COLUMNS + 1)),
+                      number(1, "SUM(count)"), number(2, "SUM(total)"),
+                      *(number(i) for i in range(3, VALUE_COLUMNS + 1))])
+    parts = [f"SELECT * FROM (SELECT {base} FROM (SELECT name, labels, count, total FROM {tables['total']} "
+             f"UNION ALL SELECT name, labels, count, total FROM {tables['delta']}) AS stored "
+             f"GROUP BY name, labels) AS base"]
+    params: list = []
+    for index, source in enumerate(DERIVED, start=1):
+        sql, source_params = source.sql()
+        columns = [f"{index} AS src"]
+        columns += [key(i, f"d.k{i}") if i <= source.keys else key(i) for i in range(1, KEY_COLUMNS + 1)]
+        columns += [number(i, f"d.v{i}") if i <= source.values else number(i) for i in range(1, VALUE_COLUMNS + 1)]
+        parts.append(f"SELECT {', '.join(columns)} FROM ({sql}) AS d")
+        params += source_params
+    return " UNION ALL ".join(parts), params
+
+
+def metric_series() -> dict[tuple[str, str], tuple[int, float]]:
+    """Every series' ``(count, total)``: the base (totals plus pending rows) plus what the tables
+    count now, read in one statement (one snapshot)."""
+    sql, params = _series_sql()
     with connection.cursor() as cursor:
-        cursor.execute(sql)
+        cursor.execute(sql, params)
         rows = cursor.fetchall()
-    return {(name, labels): (int(count or 0), float(total or 0.0)) for name, labels, count, total in rows
-            if not name.startswith("_")}
+    width = 1 + KEY_COLUMNS
+    series: dict[tuple[str, str], list] = {}
+
+    def add(key, count, total):
+        entry = series.setdefault(key, [0, 0.0])
+        entry[0] += int(count or 0)
+        entry[1] += float(total or 0.0)
+
+    for row in rows:
+        src, keys, values = row[0], row[1:width], row[width:]
+        if src == 0:
+            add((keys[0], keys[1]), values[0], values[1])
+            continue
+        for name, labels, count, total in DERIVED[src - 1].series(keys, values):
+            add((name, labels_key(labels)), count, total)
+    for (name, labels_text), (micros, _) in list(series.items()):
+        if name.startswith(MICROS_PREFIX):  # a histogram's sum in microseconds: its +Inf bucket's total
+            labels = {**json.loads(labels_text), "le": "+Inf"}
+            entry = series.setdefault((name[len(MICROS_PREFIX):], labels_key(labels)), [0, 0.0])
+            entry[1] += micros / 1_000_000
+    return {key: (count, total) for key, (count, total) in series.items() if not key[0].startswith("_")}
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,17 @@ class JobsConfig(AppConfig):
 
         cluster_queue.install()  # a worker killed while idle must not freeze its cluster
 
-        from core.metrics import COLLECTORS
+        from core.metrics import COLLECTORS, COMPACTORS, DERIVED
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
         from jobs import runbooks
-        from jobs.metrics import jobs_collect
+        from jobs.metrics import JOB_COUNTERS, job_counters_rollup, jobs_collect
 
         if jobs_collect not in COLLECTORS:
             COLLECTORS.append(jobs_collect)
+        if JOB_COUNTERS not in DERIVED:
+            DERIVED.append(JOB_COUNTERS)
+        if job_counters_rollup not in COMPACTORS:
+            COMPACTORS.append(job_counters_rollup)
 
         runbooks.runbooks_register()
 

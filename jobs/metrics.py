@@ -1,26 +1,78 @@
 """The jobs app's part of ``/metrics``: queue depth and wait by project and type, jobs executing,
-the aged background jobs, and the workers' liveness.
+the aged background jobs, and the workers' liveness; and the queue's counters.
 
-``jobs_collect`` is registered in ``core.metrics.COLLECTORS`` (``JobsConfig.ready``); it reads the
-job and heartbeat tables at scrape time, so every process answers the same figures.
+``jobs_collect`` is registered in ``core.metrics.COLLECTORS`` and ``JOB_COUNTERS`` (attempts,
+retries, finished jobs, run and wait time: ``jobs.counters``) in ``core.metrics.DERIVED``
+(``JobsConfig.ready``); both read the job and heartbeat tables at scrape time, so every process
+answers the same figures.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta
 from typing import Iterator
 
 from django.conf import settings
+from django.db import connection, transaction
 from django.db.models import Count, Min, Q
 from prometheus_client.core import GaugeMetricFamily
 
-from jobs.models import ACTIVE_JOB_STATES, WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
+from core.metrics import metrics_fold
+from jobs.counters import TALLY_FIELDS, job_counter_source, job_tally
+from jobs.models import ACTIVE_JOB_STATES, TERMINAL_JOB_STATES, WAITING_JOB_STATES, Job, JobState, WorkerHeartbeat
 
 # Waiting as the queue caps count it (every state before executing), and claimable (queued or
 # awaiting a tool: claimed once ``not_before`` has passed).
 WAITING_STATES = tuple(sorted(ACTIVE_JOB_STATES - {JobState.EXECUTING}))
 CLAIMABLE_STATES = tuple(sorted(WAITING_JOB_STATES))
 WORKERS_LISTED = 50
+JOB_COUNTERS = job_counter_source(Job._meta.db_table, TERMINAL_JOB_STATES)
+ROLLUP_BATCH = 1_000
+ROLLUP_MAX_BATCHES = 50
+# One call stops after this long (a scrape stays fast while a big backlog is rolled up over many
+# scrapes and prunes; what is not rolled up yet is derived from the table meanwhile).
+ROLLUP_MAX_S = 0.25
+
+
+def _rollup_batch(batch: int) -> int:
+    q = connection.ops.quote_name
+    table = q(Job._meta.db_table)
+    terminal = sorted(TERMINAL_JOB_STATES)
+    marks = ", ".join(["%s"] * len(terminal))
+    fields = ", ".join(f"{table}.{q(name)}" for name in TALLY_FIELDS)
+    with transaction.atomic(), connection.cursor() as cursor:
+        if connection.vendor == "postgresql":
+            # Concurrent roll-ups (and deletes) take disjoint rows: each job moves to the base once.
+            cursor.execute(
+                f"WITH picked AS (SELECT {q('id')} FROM {table} WHERE NOT {q('counted')} AND {q('state')} IN ({marks}) "
+                f"ORDER BY {q('id')} LIMIT %s FOR UPDATE SKIP LOCKED) "
+                f"UPDATE {table} SET {q('counted')} = true FROM picked WHERE {table}.{q('id')} = picked.{q('id')} "
+                f"RETURNING {fields}", [*terminal, batch])
+            rows = cursor.fetchall()
+        else:  # SQLite: one writer at a time (IMMEDIATE transactions)
+            ids = list(Job.objects.filter(counted=False, state__in=terminal).order_by("id")
+                       .values_list("id", flat=True)[:batch])
+            rows = list(Job.objects.filter(pk__in=ids).values_list(*TALLY_FIELDS))
+            Job.objects.filter(pk__in=ids).update(counted=True)
+        metrics_fold(job_tally(rows, TERMINAL_JOB_STATES))
+        return len(rows)
+
+
+def job_counters_rollup(*, batch: int | None = None, max_batches: int | None = None) -> int:
+    """Move the counts of terminal jobs (final: a terminal job never changes) from the job table to
+    the metrics base, marking them ``counted``, so a scrape derives its counters from the live and
+    recently finished jobs only (``job_uncounted_idx``). Registered in ``core.metrics.COMPACTORS``:
+    every scrape and prune runs it. Returns how many jobs it moved."""
+    batch = batch or ROLLUP_BATCH
+    deadline = time.monotonic() + ROLLUP_MAX_S
+    moved = 0
+    for _ in range(ROLLUP_MAX_BATCHES if max_batches is None else max_batches):
+        done = _rollup_batch(batch)
+        moved += done
+        if done < batch or time.monotonic() >= deadline:
+            break
+    return moved
 
 
 def jobs_collect(now: datetime) -> Iterator:

@@ -8,11 +8,13 @@ self-transitions allowed, terminal states immutable, every other move an explici
 from __future__ import annotations
 
 from django.conf import settings
-from django.db import models
+from django.db import models, transaction
 from django_fsm import ConcurrentTransitionMixin, FSMField
 
 from core.fsm import StateMove
+from core.metrics import metrics_fold
 from core.models import Organization, Project
+from jobs.counters import TALLY_FIELDS, job_tally
 
 
 class JobState(models.TextChoices):
@@ -75,6 +77,36 @@ class PriorityClass(models.TextChoices):
     BACKGROUND = "background"
 
 
+DELETE_CHUNK = 10_000
+
+
+class JobQuerySet(models.QuerySet):
+    def delete(self):
+        """Delete the jobs and add what they counted (``jobs.counters``) to the metrics base in the
+        same transaction: the counters derived from the job table never go down. The rows are
+        locked first, so two deletes of the same jobs never add them twice."""
+        if self.query.is_sliced:
+            raise TypeError("Cannot use 'limit' or 'offset' with delete().")
+        with transaction.atomic(using=self.db):
+            rows = list(self.order_by().select_for_update().values_list("pk", "counted", *TALLY_FIELDS))
+            if not rows:
+                return 0, {}
+            # A job the roll-up already counted (``counted``) is in the base already.
+            metrics_fold(job_tally((row[2:] for row in rows if not row[1]), TERMINAL_JOB_STATES))
+            ids = [row[0] for row in rows]
+            deleted, by_model = 0, {}
+            for start in range(0, len(ids), DELETE_CHUNK):
+                count, counts = models.QuerySet(self.model, using=self.db).filter(
+                    pk__in=ids[start:start + DELETE_CHUNK]).delete()
+                deleted += count
+                for label, n in counts.items():
+                    by_model[label] = by_model.get(label, 0) + n
+            return deleted, by_model
+
+    delete.alters_data = True
+    delete.queryset_only = True
+
+
 class Job(ConcurrentTransitionMixin, models.Model):
     """A unit of queued work of a registered type, owned by a project.
 
@@ -127,6 +159,11 @@ class Job(ConcurrentTransitionMixin, models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     completed_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
+    # Set once by the counters' roll-up (``jobs.metrics.job_counters_rollup``) when a terminal job's
+    # counts move to the metrics base; never written by a save (see ``save``).
+    counted = models.BooleanField(default=False, db_default=False, editable=False)
+
+    objects = JobQuerySet.as_manager()
 
     class Meta:
         ordering = ["-id"]
@@ -141,6 +178,13 @@ class Job(ConcurrentTransitionMixin, models.Model):
             models.Index(fields=["state", "id"], name="job_state_id_idx"),
             models.Index(fields=["type", "id"], name="job_type_id_idx"),
             models.Index(fields=["project", "id"], name="job_project_id_idx"),
+            # Jobs whose counts are not in the metrics base yet: what a scrape derives its counters from.
+            models.Index(fields=["id"], name="job_uncounted_idx", condition=models.Q(counted=False)),
+            # Active jobs with a deadline: the maintenance probe and the deadline sweep.
+            models.Index(fields=["deadline_at"], name="job_active_deadline_idx",
+                         condition=models.Q(deadline_at__isnull=False) & models.Q(
+                             state__in=["received", "queued", "executing", "awaiting_tool",
+                                        "awaiting_user_confirmation"])),
         ]
         constraints = [
             models.UniqueConstraint(fields=["lane"], condition=models.Q(state="executing") & ~models.Q(lane=""),
@@ -163,6 +207,21 @@ class Job(ConcurrentTransitionMixin, models.Model):
     @property
     def is_terminal(self) -> bool:
         return self.state in TERMINAL_JOB_STATES
+
+    def save(self, *args, **kwargs):
+        """A save of a stored job writes every field but ``counted`` (only the roll-up sets it, under
+        the row lock: an instance read before the roll-up must not clear it)."""
+        if not self._state.adding and self.pk is not None and kwargs.get("update_fields") is None \
+                and not kwargs.get("force_insert"):
+            kwargs["update_fields"] = [field.name for field in self._meta.concrete_fields
+                                       if not field.primary_key and field.name != "counted"]
+        return super().save(*args, **kwargs)
+
+    def delete(self, using=None, keep_parents=False):
+        """One job, deleted as ``JobQuerySet.delete`` does (its counts move to the metrics base)."""
+        result = Job.objects.using(using or self._state.db).filter(pk=self.pk).delete()
+        self.pk = None
+        return result
 
     # One transition per target state (``job.to_queued()`` ...); sources come from the matrix above.
     to_received = StateMove(state, source=_sources(S.RECEIVED), target=S.RECEIVED)

@@ -12,11 +12,13 @@ from datetime import timedelta
 from typing import Any, Iterable
 
 from django.conf import settings
+from django.db import connection
 from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
 from core.timefmt import isoformat_or_none
 from jobs.models import (
+    ACTIVE_JOB_STATES,
     NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
     Job,
@@ -363,3 +365,25 @@ def _explain(job: Job, *, now, executing: list[dict], holders: dict[str, dict], 
 def run_jobs_not_started(*, run_id: int, limit: int) -> list[Job]:
     """A run's jobs that have not started yet, oldest first (at most ``limit``)."""
     return list(Job.objects.filter(run_id=run_id, state__in=NOT_STARTED_JOB_STATES).order_by("id")[:limit])
+
+
+def maintenance_due(now) -> dict[str, bool]:
+    """Which maintenance duties have work, in one statement of four indexed ``EXISTS`` probes:
+    an executing job whose lease expired (``job_state_lease_idx``), an active job past its
+    deadline (``job_active_deadline_idx``), an executing job asked to stop, a waiting job
+    (``job_claim_order_idx``). The duties' own scans run only when their probe says so."""
+    probes = {
+        "recover": Job.objects.filter(state=JobState.EXECUTING, lease_expires_at__lt=now),
+        "deadlines": Job.objects.filter(state__in=sorted(ACTIVE_JOB_STATES), deadline_at__lt=now),
+        "interrupts": Job.objects.filter(state=JobState.EXECUTING, cancel_requested_at__isnull=False),
+        "waiting": Job.objects.filter(state__in=sorted(WAITING_JOB_STATES)),
+    }
+    parts, params = [], []
+    for queryset in probes.values():
+        sql, query_params = queryset.order_by().values("pk")[:1].query.sql_with_params()
+        parts.append(f"EXISTS ({sql})")
+        params.extend(query_params)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {', '.join(parts)}", params)
+        row = cursor.fetchone()
+    return {name: bool(value) for name, value in zip(probes, row)}

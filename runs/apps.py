@@ -6,11 +6,11 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self):
-        from core.metrics import COLLECTORS
+        from core.metrics import COLLECTORS, DERIVED
         from core.scopes import event_scope_register
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
         from runs import escalation_runbooks, execution, runbooks, services, tools  # noqa: F401  (tools: registers the built-in tools)
-        from runs.metrics import runs_collect
+        from runs.metrics import RUNS_FINISHED, runs_collect
         from runs.models import Run
         from runs.reaper import run_heartbeat_hook, runs_reap
 
@@ -27,3 +27,5 @@ class RunsConfig(AppConfig):
             HEARTBEAT_HOOKS.append(run_heartbeat_hook)
         if runs_collect not in COLLECTORS:
             COLLECTORS.append(runs_collect)
+        if RUNS_FINISHED not in DERIVED:
+            DERIVED.append(RUNS_FINISHED)

@@ -1,4 +1,13 @@
-"""The runs app's part of ``/metrics``: stuck runs, escalations, the last invariants check.
+"""The runs app's part of ``/metrics``: stuck runs, escalations, the last invariants check, and the
+finished runs counter.
+
+``orchestrator_runs_finished_total{state, reason}`` is derived from the tables at scrape time
+(``RUNS_FINISHED`` in ``core.metrics.DERIVED``), not written by the transitions: every move of a
+run into completed, failed or cancelled closes its current attempt with that outcome (a failure
+with its error code, the reason label), except two that leave a cancelled run whose current
+attempt is not ``cancelled``: a run cancelled before it started (no attempt) and a failed run
+voided (its attempt stays ``failed``). Cancelled is final, so those are counted from the run.
+Runs and attempts are never deleted.
 
 ``runs_collect`` is registered in ``core.metrics.COLLECTORS`` (``RunsConfig.ready``); it reads
 the database at scrape time, so every process answers the same figures. The result of the last
@@ -17,12 +26,38 @@ from django.db.models import Count, Min
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily
 
-from core.metrics import labels_key
+from django.db import connection
+
+from core.metrics import Derived, labels_key
 from core.models import MetricTotal
-from runs.models import EscalationTicket, Run
+from runs.models import SETTLED_RUN_STATES, EscalationTicket, Run, RunAttempt
 from runs.selectors import run_stuck_q
 
 INVARIANTS_SERIES = "_invariants_check"
+
+
+def _runs_finished_sql() -> tuple[str, list]:
+    q = connection.ops.quote_name
+    attempts, runs = q(RunAttempt._meta.db_table), q(Run._meta.db_table)
+    settled = sorted(SETTLED_RUN_STATES)
+    marks = ", ".join(["%s"] * len(settled))
+    failed, cancelled = Run.Status.FAILED.value, Run.Status.CANCELLED.value
+    sql = (f"SELECT {q('outcome')} AS k1, CASE WHEN {q('outcome')} = %s THEN {q('error_code')} ELSE '' END AS k2, "
+           f"COUNT(*) AS v1 FROM {attempts} WHERE {q('outcome')} IN ({marks}) GROUP BY 1, 2 "
+           f"UNION ALL SELECT %s AS k1, '' AS k2, COUNT(*) AS v1 FROM {runs} AS r WHERE r.{q('status')} = %s "
+           f"AND NOT EXISTS (SELECT 1 FROM {attempts} AS a WHERE a.{q('run_id')} = r.{q('id')} "
+           f"AND a.{q('number')} = r.{q('attempt_number')} AND a.{q('outcome')} = %s)")
+    return sql, [failed, *settled, cancelled, cancelled, cancelled]
+
+
+def _runs_finished_series(keys: tuple, values: tuple):
+    state, reason = keys[0], keys[1] or ""
+    if values[0]:
+        yield "runs_finished", {"state": state, "reason": reason}, values[0], 0.0
+
+
+RUNS_FINISHED = Derived(name="runs_finished", keys=2, values=1, sql=_runs_finished_sql,
+                        series=_runs_finished_series)
 
 
 def invariants_record(*, violations_by_check: dict[str, int], at: datetime | None = None) -> None:

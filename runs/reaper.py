@@ -21,7 +21,7 @@ from django.utils import timezone
 from core.errors import DomainError
 from jobs.models import ACTIVE_JOB_STATES, Job, JobState
 from runs import services
-from runs.models import IN_FLIGHT_RUN_STATES, Run
+from runs.models import ACTIVE_RUN_STATES, IN_FLIGHT_RUN_STATES, Run
 
 logger = logging.getLogger("orchestrator.runs")
 
@@ -54,6 +54,11 @@ def runs_reap(*, now=None) -> dict[str, int]:
     """One pass of the reaper; returns how many runs each rule touched."""
     now = now or timezone.now()
     done = {"timed_out": 0, "heartbeat": 0, "redispatched": 0}
+    # Every rule below looks at active runs only (pending, running, paused, resuming, retrying):
+    # with none, one indexed probe (``run_live_id_idx``) is the whole pass.
+    if not Run.objects.filter(status__in=sorted(ACTIVE_RUN_STATES)).exists():
+        done["capped"] = 0
+        return done
     for status, seconds, action, code in _timeouts():
         since = now - timedelta(seconds=seconds)
         field = "started_at" if status == Run.Status.RUNNING else "status_changed_at"

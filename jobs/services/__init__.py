@@ -6,7 +6,7 @@ an attempt that is no longer current (the job was cancelled, recovered or finish
 is discarded, never applied. django-q2 messages are sent only after commit.
 
 By concern:
-- ``common``: the job's API form, the move that writes a transition (FSM check, metric rows,
+- ``common``: the job's API form, the move that writes a transition (FSM check, timestamps,
   transition log, event), the row lock, the definition hooks run after commit, the wake-up;
   ``job_transition``.
 - ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe.

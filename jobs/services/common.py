@@ -1,6 +1,7 @@
 """What every job service shares: the job's API form, the move that writes a transition
-(FSM check, timestamps, metric rows, transition log, event), the row lock, the after-commit
-definition hooks and the worker wake-up.
+(FSM check, timestamps, transition log, event), the row lock, the after-commit definition hooks
+and the worker wake-up. A move writes no metric row: the queue's counters are derived from the
+job table when scraped (``jobs.counters``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from django.utils import timezone
 from django_fsm import can_proceed
 
 from core.errors import ValidationFailed
-from core.metrics import metric_observation, metric_sample, metrics_add
 from core.services import event_record, row_lock, transition_log
 from core.timefmt import isoformat_or_none
 from jobs.errors import JobConflict
@@ -73,33 +73,11 @@ def _move(job: Job, target: str, *, reason: str = "", emit: bool = True, extra: 
         job.organization_slot = None
         job.lease_expires_at = None
     job.save()
-    _move_metrics(job, before, target)
     transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                    attempt=job.attempts, **{"from": before, "to": target}, reason=reason)
     if emit:
         event_type = JOB_STATE_EVENTS.get(target, JOB_PROGRESS) if before != target else JOB_PROGRESS
         _emit(job, event_type, extra)
-
-
-def _move_metrics(job: Job, before: str, target: str) -> None:
-    """The queue's counters for one move (``core.metrics``), in the move's transaction."""
-    if before == target:
-        return
-    samples = []
-    if target == JobState.EXECUTING:
-        samples.append(metric_sample("job_attempts", type=job.type))
-        if job.attempts > 1:
-            samples.append(metric_sample("job_retries", type=job.type))
-        elif job.started_at and (job.queued_at or job.created_at):
-            samples.append(metric_observation("job_wait_seconds",
-                                              (job.started_at - (job.queued_at or job.created_at)).total_seconds(),
-                                              type=job.type, priority=job.priority_class))
-    elif target in TERMINAL_JOB_STATES:
-        samples.append(metric_sample("job_finished", type=job.type, state=target, reason=job.reason))
-        if job.started_at and job.completed_at:
-            samples.append(metric_observation("job_run_seconds", (job.completed_at - job.started_at).total_seconds(),
-                                              type=job.type, state=target))
-    metrics_add(samples)
 
 
 def job_transition(*, job_id: int, target: str, reason: str = "") -> Job:

@@ -15,7 +15,6 @@ from django_fsm import can_proceed
 from core.errors import (
     InvalidTransition,
 )
-from core.metrics import metric_sample, metrics_add
 from core.services import audit_record, event_record, row_lock, transition_log
 from runs.events import node_event, run_event
 from runs.models import (
@@ -103,9 +102,6 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     payload.update(extra or {})
     event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
-    if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
-        metrics_add([metric_sample("runs_finished", state=run.status,
-                                   reason=run.last_error_code if run.status == Run.Status.FAILED else "")])
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
