@@ -9,14 +9,16 @@ from typing import Any, Callable
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Subquery
 from django.utils import timezone
 from django_fsm import can_proceed
 
 from core.errors import (
     InvalidTransition,
+    NotFound,
 )
 from core.metrics import metric_sample, metrics_add
-from core.services import audit_record, event_record, row_lock, transition_log
+from core.services import audit_record, row_lock, transition_log
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -33,6 +35,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic_scope, run_event_record
 from runs.pipeline import bookkeeping
 
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
@@ -51,6 +54,72 @@ def _dispatch_after_commit(run_id: int) -> None:
 
 def _lock_run(run_id: int) -> Run:
     return row_lock(Run, run_id, entity="run")
+
+
+def _lock_run_of(model, pk: int, *, entity: str) -> Run:
+    """The run a step or a step attempt belongs to, locked, in one statement (its id read in a
+    subquery); ``NotFound`` when there is no such row."""
+    run = Run.objects.select_for_update().filter(pk=Subquery(model.objects.filter(pk=pk).values("run_id"))).first()
+    if run is None:
+        raise NotFound(f"{entity} {pk} does not exist")
+    return run
+
+
+class RunTree:
+    """The current attempt's agents, tasks and steps of a locked run, read in one query and kept on
+    the run for the rest of the transaction (``_run_tree``). Every node is one object here (a step's
+    ``task`` and a task's ``agent`` are the tree's own), so moves made on these objects keep it
+    current; a move of another copy of a node drops the tree (``_node_move``), read again when
+    next needed. A plan's agents and tasks are never empty, so the steps name every node."""
+
+    def __init__(self, run: Run):
+        self.attempt_number = run.attempt_number
+        rows = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number).select_related(
+            "task__agent")
+        self.agents: dict[int, Agent] = {}
+        self.tasks: dict[int, Task] = {}
+        self.steps: dict[int, Step] = {}
+        for step in rows:
+            task = self.tasks.setdefault(step.task_id, step.task)
+            task.agent = self.agents.setdefault(task.agent_id, task.agent)
+            step.task = task
+            self.steps[step.pk] = step
+        self._tasks_of: dict[int, list[Task]] = {}
+        for task in sorted(self.tasks.values(), key=lambda t: t.sequence):
+            self._tasks_of.setdefault(task.agent_id, []).append(task)
+        self._steps_of: dict[int, list[Step]] = {}
+        for step in sorted(self.steps.values(), key=lambda s: s.sequence):
+            self._steps_of.setdefault(step.task_id, []).append(step)
+
+    def agents_in_order(self) -> list[Agent]:
+        return sorted(self.agents.values(), key=lambda a: a.sequence)
+
+    def tasks_of(self, agent_id: int) -> list[Task]:
+        return self._tasks_of.get(agent_id, [])
+
+    def steps_of(self, task_id: int) -> list[Step]:
+        return self._steps_of.get(task_id, [])
+
+    def holds(self, node) -> bool:
+        nodes = self.steps if isinstance(node, Step) else self.tasks if isinstance(node, Task) else self.agents
+        return nodes.get(node.pk) is node
+
+
+def _run_tree(run: Run) -> RunTree:
+    """The run's tree: read once per ``run_atomic()`` transaction (again after a move made around
+    it, or a new attempt); outside one, read at every call."""
+    scope = run_atomic_scope()
+    tree = run.__dict__.get("_tree")
+    if tree is None or tree.scope is not scope or scope is None or tree.attempt_number != run.attempt_number:
+        tree = RunTree(run)
+        tree.scope = scope
+        if scope is not None:
+            run.__dict__["_tree"] = tree
+    return tree
+
+
+def _run_tree_forget(run: Run) -> None:
+    run.__dict__.pop("_tree", None)
 
 
 def _snapshot(run: Run) -> dict[str, Any]:
@@ -101,7 +170,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if run.last_error_code:
         payload["error"] = {"code": run.last_error_code, "message": run.last_error}
     payload.update(extra or {})
-    event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
+    run_event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
     if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
         metrics_add([metric_sample("runs_finished", state=run.status,
@@ -138,11 +207,14 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
     if node.last_error_code:
         payload["error"] = {"code": node.last_error_code, "message": node.last_error}
     payload.update(extra or {})
-    event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
+    run_event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
                  run_id=run.pk, payload=payload)
 
 
 def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True) -> None:
+    tree = run.__dict__.get("_tree")
+    if tree is not None and not tree.holds(node):
+        _run_tree_forget(run)  # another copy of a node moves: the tree is read again when needed
     before = node.status
     getattr(node, action)()
     now = timezone.now()
@@ -191,6 +263,7 @@ def _spawn_hierarchy(run: Run) -> int:
 
 
 def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0) -> int:
+    _run_tree_forget(run)
     count = 0
     for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence):
         agent = Agent.objects.create(

@@ -4,10 +4,9 @@ failure mode (fail-fast, continue, retry), with the re-plan of seed 001 §6.4.
 
 from __future__ import annotations
 
-from django.db import transaction
 
 from billing.errors import InsufficientCredits
-from core.services import event_record, transition_log
+from core.services import transition_log
 from runs.events import RUN_REPLANNED, RUN_RETRY_REFUSED
 from runs.models import (
     LIVE_NODE_STATES,
@@ -20,6 +19,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.plan import plan_cost_estimate
 from runs.selectors import run_current_attempt
 from runs.services.common import (
@@ -154,7 +154,7 @@ def _replan(run: Run) -> bool:
     _spawn_agents(run, specs, first_sequence=next_sequence)
     run.replan_count = number
     run.save(update_fields=["replan_count", "updated_at"])
-    event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+    run_event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                  payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
                           "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
@@ -178,11 +178,11 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
     if (run.failure_mode == FailureMode.RETRY and transient and run.has_attempts_left()
             and run.attempt_number <= MAX_RETRIES_PER_LEVEL):
         try:
-            with transaction.atomic():
+            with run_atomic():  # its events go when it does
                 _retry_locked(run, reason=f"automatic retry after {code}")
         except InsufficientCredits as exc:
             run.refresh_from_db()
-            event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
+            run_event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
                          run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
 
 

@@ -29,13 +29,15 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic, run_events_flush
 from runs.pipeline import bookkeeping
 from runs.selectors import run_current_attempt
 from runs.services.common import (
     STEP_FAILURE_HOOKS,
-    _lock_run,
+    _lock_run_of,
     _node_event,
     _node_move,
+    _run_tree,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
@@ -60,16 +62,8 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
     now = now or timezone.now()
     if run.status != Run.Status.RUNNING:
         return []
-    agents = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number).order_by("sequence"))
-    tasks = list(Task.objects.filter(run=run, agent__attempt_number=run.attempt_number).order_by("agent_id", "sequence"))
-    steps = list(Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
-                 .order_by("task_id", "sequence"))
-    tasks_by_agent: dict[int, list[Task]] = {}
-    for task in tasks:
-        tasks_by_agent.setdefault(task.agent_id, []).append(task)
-    steps_by_task: dict[int, list[Step]] = {}
-    for step in steps:
-        steps_by_task.setdefault(step.task_id, []).append(step)
+    tree = _run_tree(run)
+    agents = tree.agents_in_order()
     running_agents = sum(1 for a in agents if a.status == NodeStatus.RUNNING)
     result: list[Step] = []
     for agent in agents:
@@ -78,7 +72,7 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
         if agent.status == NodeStatus.PENDING:
             if running_agents >= run.max_agents:
                 continue
-        agent_tasks = tasks_by_agent.get(agent.pk, [])
+        agent_tasks = tree.tasks_of(agent.pk)
         by_name = {t.name: t for t in agent_tasks}
         candidates: list[Task] = []
         if agent.parallelism_mode == ParallelismMode.SEQUENTIAL:
@@ -102,7 +96,7 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
         for task in candidates:
             if task.status not in (NodeStatus.PENDING, NodeStatus.RUNNING):
                 continue
-            task_steps = steps_by_task.get(task.pk, [])
+            task_steps = tree.steps_of(task.pk)
             if task.parallelism_mode == ParallelismMode.PARALLEL:
                 busy = sum(1 for s in task_steps if s.status == NodeStatus.RUNNING)
                 ready = [s for s in task_steps if s.status == NodeStatus.PENDING
@@ -131,17 +125,13 @@ class StepOutcome:
     error_code: str = ""
 
 
-@transaction.atomic
+@run_atomic()
 def step_begin(*, step_id: int) -> StepAttempt:
     """pending → running for a runnable step (and its task and agent): a new ``StepAttempt``
     whose idempotency key names run, attempt, step and try.
     """
-    try:
-        run_id = Step.objects.values_list("run_id", flat=True).get(pk=step_id)
-    except Step.DoesNotExist as exc:
-        raise NotFound(f"step {step_id} does not exist") from exc
-    run = _lock_run(run_id)
-    step = Step.objects.select_related("task__agent").get(pk=step_id)
+    run = _lock_run_of(Step, step_id, entity="step")
+    step = _run_tree(run).steps.get(step_id) or Step.objects.select_related("task__agent").get(pk=step_id)
     if run.status != Run.Status.RUNNING:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="begin step",
                                 why=f"step {step_id} can only start while the run is running")
@@ -171,13 +161,12 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
 
 
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
-    try:
-        run_id = StepAttempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
-    except StepAttempt.DoesNotExist as exc:
-        raise NotFound(f"step attempt {attempt_id} does not exist") from exc
-    run = _lock_run(run_id)
+    """The attempt, its step and its run (locked); the step is the run tree's own object when the
+    attempt belongs to the current attempt of the run."""
+    run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
     attempt = StepAttempt.objects.get(pk=attempt_id)
-    step = Step.objects.select_related("task__agent").get(pk=attempt.step_id)
+    step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
+        pk=attempt.step_id)
     return run, attempt, step
 
 
@@ -227,11 +216,12 @@ SettledHook = Callable[[Run, "StepOutcome"], None]
 
 def _then(run: Run, outcome: StepOutcome, then: SettledHook | None) -> StepOutcome:
     if then is not None:
+        run_events_flush()  # the settlement's events first: ``then`` enqueues jobs, which write their own
         then(run, outcome)
     return outcome
 
 
-@transaction.atomic
+@run_atomic()
 def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None) -> StepOutcome:
     """Record a successful attempt: charge its cost, complete the step, propagate upwards.
 
@@ -267,7 +257,7 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     return StepOutcome("completed", step.pk)
 
 
-@transaction.atomic
+@run_atomic()
 def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bool,
                       then: SettledHook | None = None) -> StepOutcome:
     """Record a failed attempt (its cost is charged). Retryable with tries left → the step waits
@@ -280,7 +270,7 @@ def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bo
                                       retryable=retryable, charge=True), then)
 
 
-@transaction.atomic
+@run_atomic()
 def step_attempt_abandon(*, attempt_id: int) -> StepOutcome:
     """Drop an attempt interrupted by pause or cancel (or a gate waiting for approval): nothing is
     charged, the try is not counted; a step still running goes back to pending (paused when the
