@@ -145,14 +145,17 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
-                       extra: dict | None = None, audit_after: dict | None = None) -> None:
+                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False) -> None:
+    """Save the run and write its event, audit row and log line (``created``: the run was just
+    inserted as it is, with its ``status_changed_at``)."""
     now = timezone.now()
-    if before["status"] != run.status:
+    if before["status"] != run.status and not created:
         run.status_changed_at = now
         if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
-    run.save()
+    if not created:
+        run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {
         "run": run.pk,
@@ -183,13 +186,27 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
                    **{"from": before["status"], "to": run.status}, action=action, reason=reason or run.last_error_code)
 
 
+def _current_attempt(run: Run) -> RunAttempt | None:
+    """The run's current attempt, read once per ``run_atomic()`` transaction: the services change
+    it through this one object (and save the fields they change)."""
+    scope = run_atomic_scope()
+    cached = run.__dict__.get("_attempt")
+    if cached is not None and scope is not None and cached[0] is scope and cached[1] == run.attempt_number:
+        return cached[2]
+    attempt = RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
+    if scope is not None and attempt is not None:
+        run.__dict__["_attempt"] = (scope, run.attempt_number, attempt)
+    return attempt
+
+
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
+    """End the attempt (with the release ``_settle(..., save=False)`` just made, in one UPDATE)."""
     if attempt is None:
         return
     attempt.outcome = outcome
     attempt.error_code = error_code
     attempt.ended_at = timezone.now()
-    attempt.save(update_fields=["outcome", "error_code", "ended_at"])
+    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_refunded"])
 
 
 def _duration_ms(run: Run, end) -> int:
@@ -256,37 +273,35 @@ def _terminate_live_nodes(run: Run, *, attempt_number: int) -> None:
 
 
 def _spawn_hierarchy(run: Run) -> int:
-    """Create the agents, tasks and steps of the current attempt from the plan (once)."""
-    if Agent.objects.filter(run=run, attempt_number=run.attempt_number).exists():
-        return 0
+    """Create the agents, tasks and steps of the current attempt from the plan (once: a run
+    enters running from pending once per attempt, and the names are unique per attempt)."""
     return _spawn_agents(run, run.plan["agents"])
 
 
 def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0) -> int:
+    """One INSERT per level: the agents, then their tasks, then their steps."""
     _run_tree_forget(run)
-    count = 0
-    for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence):
-        agent = Agent.objects.create(
-            run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
-            failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
-            parallelism_mode=agent_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
-        )
-        count += 1
-        for t_seq, task_spec in enumerate(agent_spec["tasks"]):
-            task = Task.objects.create(
-                run=run, agent=agent, name=task_spec["name"], sequence=t_seq,
-                failure_mode=task_spec.get("failure_mode", FailureMode.FAIL_FAST),
-                parallelism_mode=task_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
-                depends_on=list(task_spec.get("depends_on") or []),
-            )
-            Step.objects.bulk_create([
-                Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
-                     kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
-                     args={**step_spec.get("args", {}),
-                           **({"check": step_spec["check"]} if "check" in step_spec else {}),
-                           **({"gate": step_spec["gate"]} if "gate" in step_spec else {})},
-                     max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
-                for s_seq, step_spec in enumerate(task_spec["steps"])
-            ])
-    return count
-
+    agents = Agent.objects.bulk_create([
+        Agent(run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
+              failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
+              parallelism_mode=agent_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL))
+        for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence)
+    ])
+    specs = [(agent, task_spec) for agent, agent_spec in zip(agents, agent_specs) for task_spec in agent_spec["tasks"]]
+    tasks = Task.objects.bulk_create([
+        Task(run=run, agent=agent, name=task_spec["name"], sequence=t_seq,
+             failure_mode=task_spec.get("failure_mode", FailureMode.FAIL_FAST),
+             parallelism_mode=task_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
+             depends_on=list(task_spec.get("depends_on") or []))
+        for agent, agent_spec in zip(agents, agent_specs) for t_seq, task_spec in enumerate(agent_spec["tasks"])
+    ])
+    Step.objects.bulk_create([
+        Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
+             kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
+             args={**step_spec.get("args", {}),
+                   **({"check": step_spec["check"]} if "check" in step_spec else {}),
+                   **({"gate": step_spec["gate"]} if "gate" in step_spec else {})},
+             max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
+        for task, (_, task_spec) in zip(tasks, specs) for s_seq, step_spec in enumerate(task_spec["steps"])
+    ])
+    return len(agents)

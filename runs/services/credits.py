@@ -26,6 +26,8 @@ from runs.services.common import _lock_run, _snapshot
 
 
 def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
+    """Reserve the run's ``credit_limit`` for ``attempt`` (a new attempt not yet saved is inserted
+    with it)."""
     result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                             attempt_number=attempt.number, amount=run.credit_limit,
                             idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
@@ -33,6 +35,9 @@ def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> 
     if result.created:
         attempt.credits_reserved += run.credit_limit
         run.credits_reserved += run.credit_limit
+    if attempt.pk is None:
+        attempt.save()
+    elif result.created:
         attempt.save(update_fields=["credits_reserved"])
 
 
@@ -52,11 +57,12 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
 
 
 def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
-    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it."""
-    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
-        return False
+    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it. The
+    ledger answers a key already charged (nothing written, False)."""
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if amount > remaining:
+        if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
+            return False  # charged already: a repeat is not refused for what the first one took
         raise CreditLimitExceeded(
             f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
@@ -69,8 +75,9 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
     return result.created
 
 
-def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "") -> None:
-    """Release what the attempt reserved and did not charge: ``charged + refunded = reserved``."""
+def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "", save: bool = True) -> None:
+    """Release what the attempt reserved and did not charge: ``charged + refunded = reserved``
+    (``save=False``: the caller saves the attempt, ``_close_attempt``)."""
     if attempt is None:
         return
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
@@ -83,7 +90,8 @@ def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "
     if result.created:
         attempt.credits_refunded += remaining
         run.credits_refunded += remaining
-        attempt.save(update_fields=["credits_refunded"])
+        if save:
+            attempt.save(update_fields=["credits_refunded"])
 
 
 @run_atomic()

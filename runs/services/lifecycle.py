@@ -103,7 +103,7 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
         mode=mode, gated=plan_is_gated(plan),
     )
     before = {"status": "", "attempt": 1}
-    _record_run_change(run, before=before, action="create", actor=actor, reason=reason)
+    _record_run_change(run, before=before, action="create", actor=actor, reason=reason, created=True)
     return run
 
 
@@ -121,7 +121,7 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     _apply(run, "start")
     bookkeeping.pipeline_keys_claim(run)  # a gated run's phase keys; another run's key refuses the start
-    attempt, _ = RunAttempt.objects.get_or_create(run=run, number=run.attempt_number)
+    attempt = RunAttempt(run=run, number=run.attempt_number)  # inserted with its reservation
     _reserve(run, attempt, actor=actor, reason=reason)
     _record_run_change(run, before=before, action="start", actor=actor, reason=reason)
     _dispatch_after_commit(run.pk)

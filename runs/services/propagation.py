@@ -21,10 +21,11 @@ from runs.models import (
 )
 from runs.outbox import run_atomic, run_event_record
 from runs.plan import plan_cost_estimate
-from runs.selectors import run_current_attempt
 from runs.services.common import (
+    _current_attempt,
     _discard_open_attempts,
     _node_move,
+    _run_tree,
     _spawn_agents,
 )
 from runs.services.credits import _reserve_replan
@@ -39,7 +40,7 @@ from runs.services.settlement import (
 def _apply_failure_deferred_by_pause(run: Run) -> None:
     """On resume: the agent failure noted during the pause takes effect (re-plan, else the run's
     failure mode); without one, a run whose agents all finished meanwhile settles."""
-    attempt = run_current_attempt(run)
+    attempt = _current_attempt(run)
     failed = None
     if attempt is not None and attempt.error_code and not attempt.outcome:
         attempt.error_code = ""
@@ -143,7 +144,7 @@ def _replan(run: Run) -> bool:
                                level_retries=MAX_RETRIES_PER_LEVEL) if run.mode != "dryrun" else 0)
     if cost:
         try:
-            _reserve_replan(run, run_current_attempt(run), amount=cost, replan_number=number)
+            _reserve_replan(run, _current_attempt(run), amount=cost, replan_number=number)
         except InsufficientCredits as exc:
             if run.failure_mode == FailureMode.CONTINUE:
                 return False  # the run goes on with the agents it has
@@ -188,24 +189,36 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
 
 def _after_step_done(run: Run, task: Task) -> None:
     """Complete (or skip) a task whose steps are all done, then look at its agent."""
-    task.refresh_from_db()
+    tree = _run_tree(run)
+    task = tree.tasks.get(task.pk) or _refreshed(task)
     if task.status not in LIVE_NODE_STATES:
         return
-    statuses = list(Step.objects.filter(task=task).values_list("status", flat=True))
+    statuses = [step.status for step in tree.steps_of(task.pk)] if task.pk in tree.tasks else list(
+        Step.objects.filter(task=task).values_list("status", flat=True))
     if any(s in LIVE_NODE_STATES for s in statuses):
         return
     if NodeStatus.COMPLETED in statuses and task.status in (NodeStatus.RUNNING, NodeStatus.PAUSED):
         _node_move(task, "complete", run=run)
     else:
         _node_move(task, "skip", run=run)
-    _settle_agent_if_done(run, Agent.objects.get(pk=task.agent_id))
+    _settle_agent_if_done(run, task.agent if task.pk in tree.tasks else Agent.objects.get(pk=task.agent_id))
+
+
+def _refreshed(node):
+    node.refresh_from_db()
+    return node
 
 
 def _settle_agent_if_done(run: Run, agent: Agent) -> None:
-    agent.refresh_from_db()
+    tree = _run_tree(run)
+    if agent.pk in tree.agents:
+        agent = tree.agents[agent.pk]
+        tasks = tree.tasks_of(agent.pk)
+    else:  # an agent of another attempt: read as it is now
+        agent.refresh_from_db()
+        tasks = list(Task.objects.filter(agent=agent))
     if agent.status not in LIVE_NODE_STATES:
         return
-    tasks = list(Task.objects.filter(agent=agent))
     # In a DAG, a task whose dependency did not complete can never run: skip it (transitively).
     changed = True
     while changed:
@@ -233,11 +246,10 @@ def _settle_run_if_done(run: Run) -> None:
     """A running run whose agents are all done completes (or fails when none completed)."""
     if run.status != Run.Status.RUNNING:
         return
-    statuses = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number).values_list("status", flat=True))
+    statuses = [agent.status for agent in _run_tree(run).agents.values()]
     if not statuses or any(s in LIVE_NODE_STATES for s in statuses):
         return
     if NodeStatus.COMPLETED in statuses:
         _complete_locked(run)
     else:
         _fail_locked(run, code="no_agent_completed", message="every agent failed or was skipped")
-

@@ -31,9 +31,9 @@ from runs.models import (
 )
 from runs.outbox import run_atomic, run_events_flush
 from runs.pipeline import bookkeeping
-from runs.selectors import run_current_attempt
 from runs.services.common import (
     STEP_FAILURE_HOOKS,
+    _current_attempt,
     _lock_run_of,
     _node_event,
     _node_move,
@@ -235,7 +235,7 @@ def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHo
 
 
 def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepOutcome:
-    run_attempt = run_current_attempt(run)
+    run_attempt = _current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
         try:
@@ -250,10 +250,12 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     step.output = output
     step.credits_charged += cost
     _node_move(step, "complete", run=run)
-    run.save(update_fields=["credits_charged", "updated_at"])
     if run.gated:
         bookkeeping.step_pins_record(run, step)
+    status = run.status
     _after_step_done(run, step.task)
+    if cost and run.status == status:  # not settled by the step (a settlement saves the whole run)
+        run.save(update_fields=["credits_charged", "updated_at"])
     return StepOutcome("completed", step.pk)
 
 
@@ -294,7 +296,7 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     cost = _step_cost(step, run) if charge else 0
     if cost:
         try:
-            _charge(run, run_current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+            _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
         except CreditLimitExceeded as exc:
             cost, code, message, retryable = 0, "credit_limit_exceeded", exc.detail, False
     attempt.outcome = StepAttempt.Outcome.FAILED
