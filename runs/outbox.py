@@ -58,13 +58,15 @@ def run_events_flush() -> None:
 
 
 @contextmanager
-def run_atomic() -> Iterator[None]:
-    """``transaction.atomic()`` whose ``run_event_record`` rows are written in one INSERT at its end (also
-    a decorator: ``@run_atomic()``)."""
+def run_atomic(*, savepoint: bool = True) -> Iterator[None]:
+    """``transaction.atomic()`` whose ``run_event_record`` rows are written in one INSERT at its end
+    (also a decorator: ``@run_atomic()``). ``savepoint=False`` inside a transaction: no savepoint,
+    for a caller whose transaction fails as a whole when this block fails (as
+    ``transaction.atomic(savepoint=False)``)."""
     rows = _pending()
     if rows is not None:  # nested: the outer batch's rows go first, outside the savepoint
         run_events_flush()
-        with transaction.atomic():
+        with transaction.atomic(savepoint=savepoint):
             try:
                 yield
             except BaseException:
@@ -72,7 +74,7 @@ def run_atomic() -> Iterator[None]:
                 _state.scope = object()  # and what was read under the old token may be stale
                 raise
         return
-    with transaction.atomic():
+    with transaction.atomic(savepoint=savepoint):
         _state.rows, _state.scope = [], object()
         try:
             yield

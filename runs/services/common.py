@@ -57,9 +57,10 @@ def _lock_run(run_id: int) -> Run:
 
 
 def _lock_run_of(model, pk: int, *, entity: str) -> Run:
-    """The run a step or a step attempt belongs to, locked, in one statement (its id read in a
-    subquery); ``NotFound`` when there is no such row."""
-    run = Run.objects.select_for_update().filter(pk=Subquery(model.objects.filter(pk=pk).values("run_id"))).first()
+    """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
+    one statement (its id read in a subquery); ``NotFound`` when there is no such row."""
+    run = (Run.objects.select_for_update(of=("self",)).select_related("project")
+           .filter(pk=Subquery(model.objects.filter(pk=pk).values("run_id"))).first())
     if run is None:
         raise NotFound(f"{entity} {pk} does not exist")
     return run

@@ -29,7 +29,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
-from runs.outbox import run_atomic, run_events_flush
+from runs.outbox import run_atomic
 from runs.pipeline import bookkeeping
 from runs.services.common import (
     STEP_FAILURE_HOOKS,
@@ -126,9 +126,11 @@ class StepOutcome:
 
 
 @run_atomic()
-def step_begin(*, step_id: int) -> StepAttempt:
+def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | None = None) -> StepAttempt:
     """pending → running for a runnable step (and its task and agent): a new ``StepAttempt``
-    whose idempotency key names run, attempt, step and try.
+    whose idempotency key names run, attempt, step and try. ``then`` is called with the run
+    (locked), the step and the attempt in the same transaction (the engine records the tool call
+    there, after this begin's events).
     """
     run = _lock_run_of(Step, step_id, entity="step")
     step = _run_tree(run).steps.get(step_id) or Step.objects.select_related("task__agent").get(pk=step_id)
@@ -138,7 +140,15 @@ def step_begin(*, step_id: int) -> StepAttempt:
     if step.pk not in {s.pk for s in runnable_steps(run)}:
         raise InvalidTransition(entity="step", entity_id=step.pk, current=step.status, requested="begin",
                                 why="not runnable now (order, dependencies, limits or backoff)")
-    return step_begin_locked(run, step)
+    attempt = step_begin_locked(run, step)
+    if then is not None:
+        then(run, step, attempt)
+    return attempt
+
+
+# A begin within this long of the run's last recorded heartbeat (the step settled just before in
+# the same transaction, say) does not write another: the timeouts that read it are minutes long.
+HEARTBEAT_REUSE = timedelta(seconds=1)
 
 
 def step_begin_locked(run: Run, step: Step) -> StepAttempt:
@@ -155,8 +165,10 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     _node_move(step, "begin", run=run)
     attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
                                          idempotency_key=_step_idempotency_key(run, step, step.attempts))
-    run.last_heartbeat = timezone.now()
-    run.save(update_fields=["last_heartbeat", "updated_at"])
+    now = timezone.now()
+    if run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE:
+        run.last_heartbeat = now
+        run.save(update_fields=["last_heartbeat", "updated_at"])
     return attempt
 
 
@@ -215,23 +227,25 @@ SettledHook = Callable[[Run, "StepOutcome"], None]
 
 
 def _then(run: Run, outcome: StepOutcome, then: SettledHook | None) -> StepOutcome:
-    if then is not None:
-        run_events_flush()  # the settlement's events first: ``then`` enqueues jobs, which write their own
+    if then is not None:  # a hook that lets another app write events flushes the batch first
         then(run, outcome)
     return outcome
 
 
-@run_atomic()
-def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None) -> StepOutcome:
+def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None,
+                         savepoint: bool = True) -> StepOutcome:
     """Record a successful attempt: charge its cost, complete the step, propagate upwards.
 
     A late result (run cancelled or failed, step retried meanwhile) is discarded. A cost past
     the attempt's reservation fails the step with ``credit_limit_exceeded`` (not retryable).
+    ``savepoint=False``: called inside a transaction that fails as a whole with it (the command
+    record's success), so no savepoint of its own.
     """
-    run, attempt, step, early = _attempt_to_settle(attempt_id)
-    if early is not None:
-        return _then(run, early, then)
-    return _then(run, _succeeded(run, attempt, step, output), then)
+    with run_atomic(savepoint=savepoint):
+        run, attempt, step, early = _attempt_to_settle(attempt_id)
+        if early is not None:
+            return _then(run, early, then)
+        return _then(run, _succeeded(run, attempt, step, output), then)
 
 
 def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepOutcome:
@@ -254,8 +268,9 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
         bookkeeping.step_pins_record(run, step)
     status = run.status
     _after_step_done(run, step.task)
-    if cost and run.status == status:  # not settled by the step (a settlement saves the whole run)
-        run.save(update_fields=["credits_charged", "updated_at"])
+    if run.status == status:  # not settled by the step (a settlement saves the whole run)
+        run.last_heartbeat = timezone.now()  # a worker settled a step of the run: it is alive
+        run.save(update_fields=["credits_charged", "last_heartbeat", "updated_at"])
     return StepOutcome("completed", step.pk)
 
 
