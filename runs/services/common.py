@@ -253,6 +253,40 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         _node_event(node, before=before, run=run)
 
 
+def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:
+    """``_node_move`` (without events) of many nodes of one level in one UPDATE: each node's
+    transition is checked by its state machine first, then the rows are written together (the
+    run's lock keeps out every other writer of its nodes). ``values``: other fields, the same for
+    every node, set on the objects and written with them."""
+    nodes = list(nodes)
+    if not nodes:
+        return
+    tree = run.__dict__.get("_tree")
+    if tree is not None and not all(tree.holds(node) for node in nodes):
+        _run_tree_forget(run)
+    now = timezone.now()
+    moves = []
+    for node in nodes:
+        before = node.status
+        getattr(node, action)()
+        if node.status in DONE_NODE_STATES:
+            node.finished_at = now
+        for name, value in (values or {}).items():
+            setattr(node, name, value)
+        moves.append((node, before))
+    updates = {"status": nodes[0].status, **(values or {})}  # one transition, one target state
+    if nodes[0].status in DONE_NODE_STATES or action == "reset":
+        updates["finished_at"] = nodes[0].finished_at
+    type(nodes[0]).objects.filter(pk__in=[node.pk for node in nodes]).update(**updates)
+    for node, before in moves:
+        node._update_initial_state()  # saved: a later save of this object expects the new state
+        if isinstance(node, Task) and run.gated:
+            bookkeeping.phase_moved(run, node, action=action)
+        transition_log(entity=type(node).__name__.lower(), id=node.pk, project=run.project_id, run=run.pk,
+                       attempt=run.attempt_number, action=action, **{"from": before, "to": node.status}, reason="",
+                       name=node.name)
+
+
 def _discard_open_attempts(run: Run, steps_qs) -> None:
     StepAttempt.objects.filter(run=run, step__in=steps_qs, outcome=StepAttempt.Outcome.RUNNING).update(
         outcome=StepAttempt.Outcome.DISCARDED, finished_at=timezone.now())
@@ -268,8 +302,7 @@ def _terminate_live_nodes(run: Run, *, attempt_number: int) -> None:
             filters["agent__attempt_number"] = attempt_number
         else:
             filters["task__agent__attempt_number"] = attempt_number
-        for node in model.objects.filter(**filters):
-            _node_move(node, "cancel", run=run, emit=False)
+        _nodes_move(model.objects.filter(**filters), "cancel", run=run)
     _discard_open_attempts(run, Step.objects.filter(run=run, task__agent__attempt_number=attempt_number))
 
 

@@ -41,6 +41,7 @@ from runs.services.common import (
     _duration_ms,
     _lock_run,
     _node_move,
+    _nodes_move,
     _record_run_change,
     _snapshot,
     _spawn_hierarchy,
@@ -220,8 +221,8 @@ def run_pause(*, run_id: int, actor=None, reason: str = "", status_reason: str =
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
                            (Task, {"agent__attempt_number": run.attempt_number}),
                            (Step, {"task__agent__attempt_number": run.attempt_number})):
-        for node in model.objects.filter(run=run, status__in=[NodeStatus.PENDING, NodeStatus.RUNNING], **filters):
-            _node_move(node, "pause", run=run, emit=False)
+        _nodes_move(model.objects.filter(run=run, status__in=[NodeStatus.PENDING, NodeStatus.RUNNING], **filters),
+                    "pause", run=run)
     run.status_reason = status_reason or "paused"
     _record_run_change(run, before=before, action="pause", actor=actor, reason=reason)
     return run
@@ -242,8 +243,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
                            (Task, {"agent__attempt_number": run.attempt_number}),
                            (Step, {"task__agent__attempt_number": run.attempt_number})):
-        for node in model.objects.filter(run=run, status=NodeStatus.PAUSED, **filters):
-            _node_move(node, "unpause", run=run, emit=False)
+        _nodes_move(model.objects.filter(run=run, status=NodeStatus.PAUSED, **filters), "unpause", run=run)
     run.status_reason = ""
     _record_run_change(run, before=before, action="resume", actor=actor, reason=reason)
     _dispatch_after_commit(run.pk)

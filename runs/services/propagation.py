@@ -25,6 +25,7 @@ from runs.services.common import (
     _current_attempt,
     _discard_open_attempts,
     _node_move,
+    _nodes_move,
     _run_tree,
     _spawn_agents,
 )
@@ -59,13 +60,9 @@ def _apply_failure_deferred_by_pause(run: Run) -> None:
 
 
 def _reset_steps(run: Run, task: Task) -> None:
-    steps = Step.objects.filter(task=task)
-    _discard_open_attempts(run, steps)
-    for step in steps:
-        step.tries_this_round = 0
-        step.not_before = None
-        step.output = None
-        _node_move(step, "reset", run=run, emit=False)
+    steps = list(Step.objects.filter(task=task))
+    _discard_open_attempts(run, Step.objects.filter(task=task))
+    _nodes_move(steps, "reset", run=run, values={"tries_this_round": 0, "not_before": None, "output": None})
 
 
 def _after_step_failed(run: Run, step: Step) -> None:
@@ -86,12 +83,11 @@ def _after_step_failed(run: Run, step: Step) -> None:
 
 
 def _end_children(run: Run, nodes) -> None:
-    """Not started → skipped; started → cancelled (their late results are discarded)."""
-    for node in nodes:
-        if node.status in (NodeStatus.PENDING, NodeStatus.PAUSED) and node.started_at is None:
-            _node_move(node, "skip", run=run, emit=False)
-        elif node.status in LIVE_NODE_STATES:
-            _node_move(node, "cancel", run=run, emit=False)
+    """Not started → skipped; started → cancelled (their late results are discarded): one UPDATE each."""
+    nodes = list(nodes)
+    skipped = [n for n in nodes if n.status in (NodeStatus.PENDING, NodeStatus.PAUSED) and n.started_at is None]
+    _nodes_move(skipped, "skip", run=run)
+    _nodes_move([n for n in nodes if n not in skipped and n.status in LIVE_NODE_STATES], "cancel", run=run)
 
 
 def _task_failed(run: Run, task: Task, error: tuple[str, str], *, transient: bool = False) -> None:
@@ -105,10 +101,10 @@ def _task_failed(run: Run, task: Task, error: tuple[str, str], *, transient: boo
         _settle_agent_if_done(run, agent)
     elif agent.failure_mode == FailureMode.RETRY and transient and agent.retry_count < MAX_RETRIES_PER_LEVEL:
         agent.retry_count += 1
-        for sibling in Task.objects.filter(agent=agent):
+        siblings = list(Task.objects.filter(agent=agent))
+        for sibling in siblings:
             _reset_steps(run, sibling)
-            sibling.retry_count = 0
-            _node_move(sibling, "reset", run=run, emit=False)
+        _nodes_move(siblings, "reset", run=run, values={"retry_count": 0})
         _node_move(agent, "reset", run=run)
     else:
         _agent_failed(run, agent, error, transient=transient)
