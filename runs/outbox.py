@@ -37,8 +37,8 @@ def run_atomic_scope() -> object | None:
     return getattr(_state, "scope", None)
 
 
-def run_event_record(*, type: str, organization_id: int | None, project_id: int | None = None, run_id: int | None = None,
-              payload: dict[str, Any] | None = None) -> None:
+def run_event_record(*, type: str, organization_id: int | None, project_id: int | None = None,
+                     run_id: int | None = None, payload: dict[str, Any] | None = None) -> None:
     """Record one event: kept for the batch's INSERT inside a batch, written at once outside one."""
     rows = _pending()
     row = {"type": type, "organization_id": organization_id, "project_id": project_id, "run_id": run_id,

@@ -219,10 +219,10 @@ def _receipt_create(run: Run, step: Step, attempt: StepAttempt | None, receipt: 
     else:
         event_type = GATE_PASSED if record.passed else GATE_FAILED
     run_event_record(type=event_type, organization_id=run.organization_id,
-                 project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
-                          "receipt": record.pk, "passed": record.passed, "invariants": record.invariants,
-                          "phase": record.phase.name if record.phase else None})
+                     project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
+                              "receipt": record.pk, "passed": record.passed, "invariants": record.invariants,
+                              "phase": record.phase.name if record.phase else None})
     return record
 
 
@@ -232,7 +232,7 @@ def _drift_records(run: Run, drifts: list[Drift], *, before: str, kind: str = Dr
                                           dimension=d.dimension, recorded=d.recorded, live=d.live,
                                           detected_before=before, detected_at=now) for d in drifts]
     run_event_record(type=RUN_DRIFT_DETECTED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
-                     {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
+                     run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
+                         {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
     return records
 

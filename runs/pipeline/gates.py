@@ -110,8 +110,8 @@ def _approval_execute(*, step: Step, attempt: StepAttempt) -> services.StepOutco
                        "question": step.args.get("question", f"approve gate {gate!r} of run {run.pk}?"),
                        "pins": pins_values(run)})
             run_event_record(type=APPROVAL_REQUESTED, organization_id=run.organization_id, project_id=run.project_id,
-                         run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
-                                                 "asked": request.asked})
+                             run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
+                                                     "asked": request.asked})
         outcome = services.step_attempt_abandon(attempt_id=attempt.pk)
         if run.status == Run.Status.RUNNING:
             services.run_pause(run_id=run.pk, status_reason=status_reason(SubState.AWAITING_APPROVAL, gate))

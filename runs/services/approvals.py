@@ -60,8 +60,8 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
                    attempt=request.attempt_number, gate=gate, **{"from": ApprovalRequest.Status.PENDING,
                                                                  "to": request.status}, reason=reason)
     run_event_record(type=APPROVAL_GRANTED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
-                                         "approval_ref": approval_ref})
+                     run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
+                                             "approval_ref": approval_ref})
     audit_record(actor=actor, action="approve_gate", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
                  before={"status_reason": run.status_reason}, after={"gate": gate, "approval_ref": approval_ref})

@@ -45,8 +45,8 @@ def caps_enforce(*, run_id: int, now=None) -> str | None:
             phase.cap_escalated_at = now
             phase.save(update_fields=["cap_escalated_at"])
         run_event_record(type=RUN_CAP_EXCEEDED, organization_id=run.organization_id, project_id=run.project_id,
-                     run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
-                                             "active_ms": attempt_active_ms(attempt, now)})
+                         run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
+                                                 "active_ms": attempt_active_ms(attempt, now)})
         run = run_pause(run_id=run.pk, status_reason=status_reason(SubState.STOP_AND_ESCALATE, cap), reason=detail)
         # an earlier cap's (or any trigger's) ticket is still open: this cap goes on it
         escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)

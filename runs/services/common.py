@@ -175,7 +175,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
         payload["error"] = {"code": run.last_error_code, "message": run.last_error}
     payload.update(extra or {})
     run_event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload=payload)
+                     run_id=run.pk, payload=payload)
     if before["status"] != run.status and run.status in SETTLED_RUN_STATES:
         metrics_add([metric_sample("runs_finished", state=run.status,
                                    reason=run.last_error_code if run.status == Run.Status.FAILED else "")])
@@ -225,8 +225,8 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
     if node.last_error_code:
         payload["error"] = {"code": node.last_error_code, "message": node.last_error}
     payload.update(extra or {})
-    run_event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload=payload)
+    run_event_record(type=node_event(entity, node.status), organization_id=run.organization_id,
+                     project_id=run.project_id, run_id=run.pk, payload=payload)
 
 
 def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True) -> None:

@@ -48,7 +48,8 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
         result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                                 attempt_number=attempt.number, amount=amount,
                                 idempotency_key=f"replan:{run.pk}:{attempt.number}:{replan_number}",
-                                reason=f"reserve for re-plan {replan_number} of attempt {attempt.number}", emit=run_event_record)
+                                reason=f"reserve for re-plan {replan_number} of attempt {attempt.number}",
+                                emit=run_event_record)
     if result.created:
         attempt.credits_reserved += amount
         run.credits_reserved += amount
@@ -67,7 +68,8 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
             f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
     result = ledger_charge(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason, emit=run_event_record)
+                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason,
+                           emit=run_event_record)
     if result.created:
         attempt.credits_charged += amount
         run.credits_charged += amount
@@ -86,7 +88,8 @@ def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "
     result = ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                            attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
                            idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
-                           reason=reason or f"release unused reservation of attempt {attempt.number}", emit=run_event_record)
+                           reason=reason or f"release unused reservation of attempt {attempt.number}",
+                           emit=run_event_record)
     if result.created:
         attempt.credits_refunded += remaining
         run.credits_refunded += remaining
@@ -142,7 +145,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     run.credits_refunded += amount
     run.save(update_fields=["credits_charged", "credits_refunded", "updated_at"])
     run_event_record(type=RUN_REFUNDED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "amount": amount, "reason": reason})
+                     payload={"run": run.pk, "amount": amount, "reason": reason})
     audit_record(actor=actor, action="run_refund", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
                  after=_snapshot(run))

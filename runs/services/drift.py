@@ -87,7 +87,7 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
                                       recorded_at=now, recorded_by=user, actor_label=label, reason=reason)
     summary = [{"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]
     run_event_record(type=RUN_DRIFT_ACKNOWLEDGED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
+                     run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
     audit_record(actor=actor, action="acknowledge_drift", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
                  before={"status_reason": run.status_reason, "drift": summary},
@@ -231,5 +231,5 @@ def _stop_reason(run: Run, reason: str) -> None:
     run.status_reason = reason[:200]
     run.save(update_fields=["status_reason", "updated_at"])
     run_event_record(type=RUN_STOPPED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
+                     payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
 

@@ -29,9 +29,9 @@ ERROR_RATE_MIN_SAMPLE = 4
 def _emit(ticket: EscalationTicket, *, before: str) -> None:
     run = ticket.run
     run_event_record(type=escalation_event(ticket.status), organization_id=ticket.organization_id,
-                 project_id=run.project_id, run_id=run.pk,
-                 payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger, "from": before,
-                          "to": ticket.status, "severity": ticket.severity, "detail": ticket.detail})
+                     project_id=run.project_id, run_id=run.pk,
+                     payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger, "from": before,
+                              "to": ticket.status, "severity": ticket.severity, "detail": ticket.detail})
     transition_log(entity="escalation", id=ticket.pk, run=run.pk, project=run.project_id,
                    **{"from": before, "to": ticket.status}, reason=ticket.trigger)
 
@@ -84,8 +84,8 @@ def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str
     ticket.save(update_fields=["detail", "triggers"])
     run = ticket.run
     run_event_record(type=ESCALATION_UPDATED, organization_id=ticket.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": trigger,
-                                         "status": ticket.status, "added": detail, "severity": ticket.severity})
+                     run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": trigger,
+                                             "status": ticket.status, "added": detail, "severity": ticket.severity})
     return ticket
 
 

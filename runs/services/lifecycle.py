@@ -385,7 +385,7 @@ def run_delete(*, run_id: int, actor=None, reason: str = "") -> Run:
     run.deleted_at = timezone.now()
     run.save(update_fields=["deleted_at", "updated_at"])
     run_event_record(type=RUN_DELETED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "reason": reason})
+                     payload={"run": run.pk, "reason": reason})
     audit_record(actor=actor, action="run_delete", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
                  after={**_snapshot(run), "deleted": True})

@@ -152,8 +152,9 @@ def _replan(run: Run) -> bool:
     run.replan_count = number
     run.save(update_fields=["replan_count", "updated_at"])
     run_event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
-                          "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
+                     payload={"run": run.pk, "replan_count": run.replan_count,
+                              "failed_agents": [a.name for a in failed],
+                              "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
                    **{"from": run.status, "to": run.status}, reason=f"replan {run.replan_count}")
     return True
@@ -180,7 +181,7 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
         except InsufficientCredits as exc:
             run.refresh_from_db()
             run_event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
-                         run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
+                             run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
 
 
 def _after_step_done(run: Run, task: Task) -> None:
