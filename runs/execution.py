@@ -81,19 +81,33 @@ def _tick(ctx, payload: dict) -> dict:
         return {"run": run_id, "missing": True}
     if run.status == Run.Status.RETRYING:
         run = services.run_requeue(run_id=run_id)
-    if run.status in (Run.Status.PENDING, Run.Status.RESUMING):
-        run = services.run_mark_running(run_id=run_id)
-    run.refresh_from_db()
+    scheduled: list[int] = []
+    if run.status in (Run.Status.PENDING, Run.Status.RESUMING, Run.Status.RUNNING):
+        # running (again), a heartbeat and the runnable steps' jobs: one transaction under the run's lock
+        run = services.run_mark_running(run_id=run_id, then=lambda locked: scheduled.extend(_schedule(locked)))
     if run.status != Run.Status.RUNNING:
         return {"run": run_id, "status": run.status}
-    services.run_heartbeat(run_id=run_id)
+    return {"run": run_id, "status": run.status, "steps": scheduled}
+
+
+def _schedule(run: Run) -> list[int]:
+    """In the transaction that holds the run's lock: record a heartbeat, queue a ``run_step`` job for
+    every step that may start now (one already queued is left to its job), or a tick for when the
+    first backoff ends."""
+    run_events_flush()  # the run's own events before the jobs'
+    now = timezone.now()
+    if run.last_heartbeat is None or now - run.last_heartbeat > services.HEARTBEAT_REUSE:
+        run.last_heartbeat = now
+        run.save(update_fields=["last_heartbeat", "updated_at"])
     steps = services.runnable_steps(run)
+    queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
     for step in steps:
-        job_enqueue(job_type="run_step", project=run.project, run_id=run_id, priority=run.priority,
-                    payload={"run": run_id, "step": step.pk, "round": step.attempts})
+        if (step.pk, step.attempts) not in queued:
+            job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
+                        payload={"run": run.pk, "step": step.pk, "round": step.attempts})
     if not steps:
         _wake_after_backoff(run)
-    return {"run": run_id, "status": run.status, "steps": [step.pk for step in steps]}
+    return [step.pk for step in steps]
 
 
 @traced("run step", attributes=lambda ctx, payload: {"run_id": payload["run"], "step_id": payload["step"],

@@ -4,7 +4,7 @@ resume, cancel, void, retry, requeue and delete (seed 001 §1.3).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from django.conf import settings
 from django.utils import timezone
@@ -130,10 +130,14 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
 
 
 @run_atomic()
-def run_mark_running(*, run_id: int) -> Run:
-    """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op."""
+def run_mark_running(*, run_id: int, then: Callable[[Run], Any] | None = None) -> Run:
+    """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op.
+    ``then`` is called with the run (locked) in the same transaction when the run is running
+    (the engine schedules its runnable steps there)."""
     run = _lock_run(run_id)
     if run.status == Run.Status.RUNNING:
+        if then is not None:
+            then(run)
         return run
     before = _snapshot(run)
     from_resuming = run.status == Run.Status.RESUMING
@@ -148,6 +152,8 @@ def run_mark_running(*, run_id: int) -> Run:
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
         _apply_failure_deferred_by_pause(run)
+    if then is not None and run.status == Run.Status.RUNNING:
+        then(run)
     return run
 
 
