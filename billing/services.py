@@ -8,10 +8,12 @@ the existing entry and changes nothing. Lock order across the project is run →
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from django.contrib.auth import get_user_model
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from billing.errors import InsufficientCredits
@@ -28,6 +30,10 @@ class LedgerResult:
     entry: LedgerEntry
     created: bool
 
+
+# Writes an event row (``core.services.event_record``'s keyword arguments); a caller batching its
+# transaction's events passes its own, which keeps the row in order with the others.
+EventSink = Callable[..., Any]
 
 MAX_AMOUNT = 10**15  # credits in one ledger entry (the API's limit too); balances stay far from 64 bits
 
@@ -78,8 +84,14 @@ def _append(
     source: str = "",
     actor=None,
     reason: str = "",
+    emit: EventSink | None = None,
 ) -> LedgerEntry:
-    """Append an entry for movements already applied to ``account`` (locked), then save both."""
+    """Append an entry for movements already applied to ``account`` (locked), then save both.
+
+    The entry's key was looked up under the account's row lock, which every writer of the
+    organization's entries holds, so no concurrent writer can insert the same key: no savepoint.
+    A duplicate written around the services still fails (``ValidationFailed``) and, being a
+    failed statement, fails the caller's transaction with it."""
     entry = LedgerEntry(
         organization_id=account.organization_id,
         run_id=run_id,
@@ -98,14 +110,13 @@ def _append(
     )
     entry.entry_hash = entry.compute_hash()
     try:
-        with transaction.atomic():
-            entry.save()
+        entry.save()
     except IntegrityError as exc:  # a concurrent writer used the same key first
         raise ValidationFailed(f"ledger key {key!r} already used for {kind}",
                                errors={"idempotency_key": ["already used"]}) from exc
     account.last_entry_hash = entry.entry_hash
     account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
-    event_record(
+    (emit or event_record)(
         type=ledger_event(kind),
         organization_id=account.organization_id,
         project_id=project_id,
@@ -169,10 +180,14 @@ def account_charge(*, organization_id: int, project_id: int | None, amount: int,
 
 
 def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
-               amount: int, idempotency_key: str, actor, reason: str, apply, source: str = "") -> LedgerResult:
+               amount: int, idempotency_key: str, actor, reason: str, apply, source: str = "",
+               emit: EventSink | None = None) -> LedgerResult:
     """Append one run entry exactly once: lock the account, return the entry already written
-    under ``(run, kind, key)``, or let ``apply`` move the figures (or refuse) and append."""
-    with transaction.atomic():
+    under ``(run, kind, key)``, or let ``apply`` move the figures (or refuse) and append.
+
+    In the caller's transaction when there is one (no savepoint: a refusal raises before anything
+    is written, so the caller may catch it and go on), else in its own."""
+    with transaction.atomic() if not connection.in_atomic_block else nullcontext():
         account = _account_locked(organization_id)
         existing = _existing(organization_id=organization_id, run_id=run_id, kind=kind, key=idempotency_key)
         if existing is not None:
@@ -180,12 +195,13 @@ def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_i
         apply(account)
         entry = _append(account=account, kind=kind, amount=amount, key=idempotency_key, run_id=run_id,
                         attempt_number=attempt_number, project_id=project_id, source=source, actor=actor,
-                        reason=reason)
+                        reason=reason, emit=emit)
         return LedgerResult(entry, True)
 
 
 def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
-                   amount: int, idempotency_key: str, actor=None, reason: str = "") -> LedgerResult:
+                   amount: int, idempotency_key: str, actor=None, reason: str = "",
+                   emit: EventSink | None = None) -> LedgerResult:
     """Hold ``amount`` credits for a run attempt; ``InsufficientCredits`` if not available."""
     amount = _validate_amount(amount)
 
@@ -199,11 +215,12 @@ def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int,
 
     return _run_entry(kind=LedgerEntry.Kind.RESERVE, organization_id=organization_id, project_id=project_id,
                       run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply)
+                      actor=actor, reason=reason, apply=apply, emit=emit)
 
 
 def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
-                  amount: int, idempotency_key: str, actor=None, reason: str = "") -> LedgerResult:
+                  amount: int, idempotency_key: str, actor=None, reason: str = "",
+                  emit: EventSink | None = None) -> LedgerResult:
     """Consume ``amount`` held credits. The caller checks the attempt's own reservation."""
     amount = _validate_amount(amount)
 
@@ -216,11 +233,12 @@ def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, 
 
     return _run_entry(kind=LedgerEntry.Kind.CHARGE, organization_id=organization_id, project_id=project_id,
                       run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply)
+                      actor=actor, reason=reason, apply=apply, emit=emit)
 
 
 def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
-                  amount: int, source: str, idempotency_key: str, actor=None, reason: str = "") -> LedgerResult:
+                  amount: int, source: str, idempotency_key: str, actor=None, reason: str = "",
+                  emit: EventSink | None = None) -> LedgerResult:
     """Release an unused hold (``source="reservation"``) or give charged credits back (``"charge"``)."""
     amount = _validate_amount(amount)
     if source not in (LedgerEntry.Source.RESERVATION, LedgerEntry.Source.CHARGE):
@@ -237,7 +255,7 @@ def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, 
 
     return _run_entry(kind=LedgerEntry.Kind.REFUND, organization_id=organization_id, project_id=project_id,
                       run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, source=source)
+                      actor=actor, reason=reason, apply=apply, source=source, emit=emit)
 
 
 @transaction.atomic

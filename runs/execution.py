@@ -27,7 +27,9 @@ from jobs.services import job_enqueue, job_retarget
 from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
+from runs.outbox import run_event_record, run_events_flush
 from runs.pipeline.gates import gate_execute
+from runs.selectors import run_step_jobs_queued
 
 logger = logging.getLogger("orchestrator.runs")
 
@@ -79,19 +81,33 @@ def _tick(ctx, payload: dict) -> dict:
         return {"run": run_id, "missing": True}
     if run.status == Run.Status.RETRYING:
         run = services.run_requeue(run_id=run_id)
-    if run.status in (Run.Status.PENDING, Run.Status.RESUMING):
-        run = services.run_mark_running(run_id=run_id)
-    run.refresh_from_db()
+    scheduled: list[int] = []
+    if run.status in (Run.Status.PENDING, Run.Status.RESUMING, Run.Status.RUNNING):
+        # running (again), a heartbeat and the runnable steps' jobs: one transaction under the run's lock
+        run = services.run_mark_running(run_id=run_id, then=lambda locked: scheduled.extend(_schedule(locked)))
     if run.status != Run.Status.RUNNING:
         return {"run": run_id, "status": run.status}
-    services.run_heartbeat(run_id=run_id)
+    return {"run": run_id, "status": run.status, "steps": scheduled}
+
+
+def _schedule(run: Run) -> list[int]:
+    """In the transaction that holds the run's lock: record a heartbeat, queue a ``run_step`` job for
+    every step that may start now (one already queued is left to its job), or a tick for when the
+    first backoff ends."""
+    run_events_flush()  # the run's own events before the jobs'
+    now = timezone.now()
+    if run.last_heartbeat is None or now - run.last_heartbeat > services.HEARTBEAT_REUSE:
+        run.last_heartbeat = now
+        run.save(update_fields=["last_heartbeat", "updated_at"])
     steps = services.runnable_steps(run)
+    queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
     for step in steps:
-        job_enqueue(job_type="run_step", project=run.project, run_id=run_id, priority=run.priority,
-                    payload={"run": run_id, "step": step.pk, "round": step.attempts})
+        if (step.pk, step.attempts) not in queued:
+            job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
+                        payload={"run": run.pk, "step": step.pk, "round": step.attempts})
     if not steps:
         _wake_after_backoff(run)
-    return {"run": run_id, "status": run.status, "steps": [step.pk for step in steps]}
+    return [step.pk for step in steps]
 
 
 @traced("run step", attributes=lambda ctx, payload: {"run_id": payload["run"], "step_id": payload["step"],
@@ -100,8 +116,10 @@ def _tick(ctx, payload: dict) -> dict:
                                           "error_code": result.get("error")})
 def _step(ctx, payload: dict) -> dict:
     run_id, step_id = payload["run"], payload["step"]
+    recorded: dict = {}
     try:
-        attempt = services.step_begin(step_id=step_id)
+        attempt = services.step_begin(step_id=step_id, then=lambda run, step, attempt: recorded.update(
+            _command_record(run, step, attempt)))
     except (InvalidTransition, NotFound) as exc:
         attempt = _interrupted_attempt(step_id, payload["round"])
         if attempt is None:
@@ -111,9 +129,10 @@ def _step(ctx, payload: dict) -> dict:
             return {"step": step_id, "attempt": attempt.number, "decision": stopped.decision,
                     "stopped": "drift found on recovery"}
     chain = _Chain(ctx, run_id)
-    step = Step.objects.select_related("run__project").get(pk=attempt.step_id)
+    step = recorded.get("step") or Step.objects.select_related("run__project").get(pk=attempt.step_id)
     while True:
-        outcome = _execute_attempt(ctx, step, attempt, then=None if step.run.gated else chain.settled)
+        outcome = _execute_attempt(ctx, step, attempt, then=None if step.run.gated else chain.settled,
+                                   recorded=recorded.get("command"))
         result = {"step": step.pk, "attempt": attempt.number, "decision": outcome.decision,
                   "error": outcome.error_code or None}
         if not chain.scheduled:  # a gate, a gated run or an interrupted attempt: the run's tick looks at it
@@ -126,7 +145,7 @@ def _step(ctx, payload: dict) -> dict:
             return result
         if chain.next_attempt is None:
             return result
-        step, attempt = chain.take()
+        step, attempt, recorded = chain.take()
 
 
 class _Chain:
@@ -142,11 +161,12 @@ class _Chain:
         self.scheduled = False
         self.next_attempt: StepAttempt | None = None
         self.next_step: Step | None = None
+        self.next_recorded: dict = {}
 
-    def take(self) -> tuple[Step, StepAttempt]:
-        step, attempt = self.next_step, self.next_attempt
-        self.next_step, self.next_attempt, self.scheduled = None, None, False
-        return step, attempt
+    def take(self) -> tuple[Step, StepAttempt, dict]:
+        step, attempt, recorded = self.next_step, self.next_attempt, self.next_recorded
+        self.next_step, self.next_attempt, self.next_recorded, self.scheduled = None, None, {}, False
+        return step, attempt, recorded
 
     def _may_go_on(self, step: Step) -> bool:
         elapsed = time.monotonic() - self.started
@@ -158,10 +178,13 @@ class _Chain:
 
     def settled(self, run: Run, outcome: services.StepOutcome) -> None:
         self.scheduled = True
-        run.refresh_from_db(fields=["status"])
+        if outcome.decision != "completed":  # a failure may have moved the run through another copy of it
+            run.refresh_from_db(fields=["status"])
         if run.status != Run.Status.RUNNING:
             return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
         steps = services.runnable_steps(run)
+        if steps:
+            run_events_flush()  # the settlement's events before the jobs' own
         mine = None
         for step in steps:
             if (step.kind == Step.Kind.TOOL and self._may_go_on(step)
@@ -170,15 +193,36 @@ class _Chain:
                                      payload={"run": run.pk, "step": step.pk, "round": step.attempts})):
                 mine = step
                 break
-        for step in steps:
-            if step is not mine:
+        others = [step for step in steps if step is not mine]
+        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in others])
+        for step in others:
+            if (step.pk, step.attempts) not in queued:  # else its job is on the way (a new one would be dropped)
                 job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
                             payload={"run": run.pk, "step": step.pk, "round": step.attempts})
         if mine is not None:
-            self.next_step = Step.objects.select_related("task__agent", "run__project").get(pk=mine.pk)
-            self.next_attempt = services.step_begin_locked(run, self.next_step)
+            self.next_step = mine  # the run tree's own object: its task and agent move with it
+            self.next_attempt = services.step_begin_locked(run, mine)
+            self.next_recorded = _command_record(run, mine, self.next_attempt)
         if not steps:
+            run_events_flush()
             _wake_after_backoff(run)
+
+
+def _command_record(run: Run, step: Step, attempt: StepAttempt) -> dict:
+    """Record the tool call of a step attempt just begun, in the transaction that begins it (one
+    commit for both; the record is committed before the tool runs). Gates and dry runs call no
+    tool; an unknown tool is failed by ``_execute_attempt``."""
+    from jobs.commands.services import command_record
+
+    step.run = run
+    if step.kind != Step.Kind.TOOL or run.mode == "dryrun" or tool_get(step.tool) is None:
+        return {"step": step}
+    try:
+        command = command_record(project=run.project, kind="invoke_tool", args={"tool": step.tool, "args": step.args},
+                                 idempotency_key=attempt.idempotency_key, new=True, emit=run_event_record)
+    except ValidationFailed:
+        return {"step": step}  # invalid arguments: ``command_execute`` finds it again and the attempt fails
+    return {"step": step, "command": command}
 
 
 def _wake_after_backoff(run: Run) -> None:
@@ -201,9 +245,10 @@ def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:
             .first())
 
 
-def _execute_attempt(ctx, step: Step, attempt, *, then=None) -> services.StepOutcome:
+def _execute_attempt(ctx, step: Step, attempt, *, then=None, recorded=None) -> services.StepOutcome:
     """Invoke the step's tool and settle the attempt; ``then`` (``step_attempt_succeed``) runs in the
-    settling transaction, which on success is also the one that records the command's result."""
+    settling transaction, which on success is also the one that records the command's result.
+    ``recorded``: the tool call as recorded with the attempt's begin (``_command_record``)."""
     from jobs.commands.services import CommandFailed, command_execute
     from jobs.executor import time_limit
 
@@ -231,14 +276,15 @@ def _execute_attempt(ctx, step: Step, attempt, *, then=None) -> services.StepOut
     settled: dict = {}
 
     def on_success(result) -> None:  # in the transaction that records the command's result
-        settled["outcome"] = services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result, then=then)
+        settled["outcome"] = services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result, then=then,
+                                                           savepoint=False)
 
     try:
         with time_limit(tool.timeout_s):
             result = command_execute(project=run.project, kind="invoke_tool",
                                      args={"tool": step.tool, "args": step.args},
                                      idempotency_key=attempt.idempotency_key, should_stop=should_stop,
-                                     attempt=attempt.number, on_success=on_success)
+                                     attempt=attempt.number, on_success=on_success, recorded=recorded)
     except JobCancelled:
         return services.step_attempt_abandon(attempt_id=attempt.pk)
     except JobTimeout as exc:

@@ -115,6 +115,16 @@ def run_held_credits(run: Run) -> int:
     return run.credits_reserved - run.credits_charged - run.credits_refunded
 
 
+def run_step_jobs_queued(rounds: list[tuple[int, int]]) -> set[tuple[int, int]]:
+    """Of ``(step id, round)`` pairs, those an active ``run_step`` job already holds (its dedupe
+    key): one indexed read instead of an enqueue each that the queue's dedupe would drop."""
+    if not rounds:
+        return set()
+    keys = {f"run_step:{step}:{round_}": (step, round_) for step, round_ in rounds}
+    return {keys[key] for key in Job.objects.filter(active_dedupe_key__in=list(keys)).values_list(
+        "active_dedupe_key", flat=True)}
+
+
 def run_current_attempt(run: Run) -> RunAttempt | None:
     """The run's current attempt (the one ``run.attempt_number`` names)."""
     return RunAttempt.objects.filter(run=run, number=run.attempt_number).first()

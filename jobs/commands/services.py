@@ -47,6 +47,17 @@ INTERRUPTIONS = (JobTimeout, JobCancelled)
 
 
 @dataclass(frozen=True)
+class RecordedCommand:
+    """A command recorded by ``command_record`` in a caller's transaction (``execute``: it must
+    run now; False: answer from the record). Handed to ``command_execute`` once committed."""
+
+    record: CommandRecord
+    execute: bool
+    args: dict
+    project: Project
+
+
+@dataclass(frozen=True)
 class CommandResult:
     command: CommandRecord
     result: Any
@@ -70,10 +81,12 @@ def command_as_dict(record: CommandRecord) -> dict[str, Any]:
     }
 
 
-def _emit(record: CommandRecord, event_type: str, organization_id: int, extra: dict | None = None) -> None:
+def _emit(record: CommandRecord, event_type: str, organization_id: int, extra: dict | None = None,
+          emit: Callable[..., Any] | None = None) -> None:
     payload = command_as_dict(record)
     payload.update(extra or {})
-    event_record(type=event_type, organization_id=organization_id, project_id=record.project_id, payload=payload)
+    (emit or event_record)(type=event_type, organization_id=organization_id, project_id=record.project_id,
+                           payload=payload)
 
 
 def _locked(project: Project, kind: str, key: str) -> CommandRecord | None:
@@ -84,7 +97,8 @@ def _locked(project: Project, kind: str, key: str) -> CommandRecord | None:
 def command_execute(*, project: Project, kind: str, args: dict, idempotency_key: str, actor=None,
                     adapter: ExecutionAdapter | None = None,
                     should_stop: Callable[[], bool] | None = None, attempt: int | None = None,
-                    billed: bool = False, on_success: Callable[[CommandResult], Any] | None = None) -> CommandResult:
+                    billed: bool = False, on_success: Callable[[CommandResult], Any] | None = None,
+                    recorded: RecordedCommand | None = None) -> CommandResult:
     """Execute command ``kind`` at most once per ``(project, kind, idempotency_key)``.
 
     Raises ``ValidationFailed`` (nothing recorded), ``CommandConflict`` (same key, other
@@ -97,14 +111,19 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
     ``on_success`` is called with the result in the transaction that records the success (the
     caller's own outcome commits with it, or neither does and a replay runs again by key); not
     called for a replay answered from the record.
+    ``recorded``: the command as ``command_record`` recorded it in a transaction of the caller's,
+    already committed (the same project, kind, key and arguments); it is not recorded again.
     """
-    key_errors = idempotency_key_errors(idempotency_key)
-    if key_errors:
-        raise ValidationFailed("invalid command", errors={"idempotency_key": key_errors})
-    normalized = command_args_validate(kind, args)
-    digest = payload_hash(normalized)
-    record, execute = _command_record(project=project, kind=kind, key=idempotency_key, args=normalized,
-                                      digest=digest, actor=actor, billed=billed)
+    if recorded is not None:
+        record, execute, normalized = recorded.record, recorded.execute, recorded.args
+    else:
+        key_errors = idempotency_key_errors(idempotency_key)
+        if key_errors:
+            raise ValidationFailed("invalid command", errors={"idempotency_key": key_errors})
+        normalized = command_args_validate(kind, args)
+        digest = payload_hash(normalized)
+        record, execute = _command_record(project=project, kind=kind, key=idempotency_key, args=normalized,
+                                          digest=digest, actor=actor, billed=billed)
     if not execute:
         return _replayed(record)
     try:
@@ -153,45 +172,80 @@ def _command_charge(record: CommandRecord, project: Project, actor) -> None:
                    reason=f"{record.kind} {record.args.get('tool')} (key {record.idempotency_key})"[:500])
 
 
+def command_record(*, project: Project, kind: str, args: dict, idempotency_key: str, actor=None,
+                   new: bool = False, emit: Callable[..., Any] | None = None) -> RecordedCommand:
+    """Record (or find) command ``kind`` in the caller's transaction, which must commit before
+    ``command_execute(..., recorded=...)`` runs it: the record is committed with the change that
+    calls for it (a step attempt's begin records its tool call), in one transaction.
+
+    ``new``: the caller knows no command has this key yet (it was made in this very
+    transaction, e.g. from a step attempt's new unique key): no lookup before the insert, no
+    savepoint. ``emit`` writes the ``command_recorded`` event (default ``event_record``: a caller
+    batching its transaction's events passes its own). Raises ``ValidationFailed`` and
+    ``CommandConflict`` as ``command_execute`` does.
+    """
+    key_errors = idempotency_key_errors(idempotency_key)
+    if key_errors:
+        raise ValidationFailed("invalid command", errors={"idempotency_key": key_errors})
+    normalized = command_args_validate(kind, args)
+    record, execute = _command_record_in(project=project, kind=kind, key=idempotency_key, args=normalized,
+                                         digest=payload_hash(normalized), actor=actor, new=new, emit=emit)
+    return RecordedCommand(record, execute, normalized, project)
+
+
 def _command_record(*, project: Project, kind: str, key: str, args: dict, digest: str,
                     actor, billed: bool = False) -> tuple[CommandRecord, bool]:
     """Record (or find) the command, charge it when ``billed``, and commit; True when it must
     be executed now."""
     with transaction.atomic(durable=True):
-        record = _locked(project, kind, key)
-        created = False
-        if record is None:
-            try:
-                with transaction.atomic():
-                    record = CommandRecord.objects.create(
-                        project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
-                        actor_label=actor_label(actor))
-                created = True
-            except IntegrityError:
-                record = _locked(project, kind, key)  # a concurrent recorder committed it first
-                if record is None:
-                    raise
-        if record.payload_hash != digest:
-            logger.warning("command conflict: %s %r recorded with hash %s, replayed with %s", kind, key,
-                           record.payload_hash, digest)
-            raise CommandConflict(
-                f"idempotency key {key!r} of command {kind} was recorded with another payload",
-                kind=kind, idempotency_key=key, command_id=record.pk)
-        if record.status != CommandStatus.RECORDED:
-            return record, False
-        if billed:
-            _command_charge(record, project, actor)  # InsufficientCredits rolls the record back
+        return _command_record_in(project=project, kind=kind, key=key, args=args, digest=digest, actor=actor,
+                                  billed=billed)
+
+
+def _command_record_in(*, project: Project, kind: str, key: str, args: dict, digest: str, actor,
+                       billed: bool = False, new: bool = False,
+                       emit: Callable[..., Any] | None = None) -> tuple[CommandRecord, bool]:
+    """``_command_record`` in the caller's transaction."""
+    record = None if new else _locked(project, kind, key)
+    created = False
+    if new:
+        record = CommandRecord.objects.create(
+            project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
+            actor_label=actor_label(actor), attempts=1)
+        created = True
+    elif record is None:
+        try:
+            with transaction.atomic():
+                record = CommandRecord.objects.create(
+                    project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
+                    actor_label=actor_label(actor))
+            created = True
+        except IntegrityError:
+            record = _locked(project, kind, key)  # a concurrent recorder committed it first
+            if record is None:
+                raise
+    if record.payload_hash != digest:
+        logger.warning("command conflict: %s %r recorded with hash %s, replayed with %s", kind, key,
+                       record.payload_hash, digest)
+        raise CommandConflict(
+            f"idempotency key {key!r} of command {kind} was recorded with another payload",
+            kind=kind, idempotency_key=key, command_id=record.pk)
+    if record.status != CommandStatus.RECORDED:
+        return record, False
+    if billed:
+        _command_charge(record, project, actor)  # InsufficientCredits rolls the record back
+    if not new:  # a new record was inserted with its first call counted
         record.attempts += 1
         record.save(update_fields=["attempts", "updated_at"])
-        if created:
-            _emit(record, COMMAND_RECORDED, project.organization_id)
-            if actor is not None:
-                audit_record(actor=actor, action="command_execute", target_type="command", target_id=record.pk,
-                             organization_id=project.organization_id,
-                             after={"kind": kind, "idempotencyKey": key, "payloadHash": digest})
-        transition_log(entity="command", id=record.pk, project=project.pk, kind=kind, attempt=record.attempts,
-                       **{"from": "new" if created else record.status, "to": record.status})
-        return record, True
+    if created:
+        _emit(record, COMMAND_RECORDED, project.organization_id, emit=emit)
+        if actor is not None:
+            audit_record(actor=actor, action="command_execute", target_type="command", target_id=record.pk,
+                         organization_id=project.organization_id,
+                         after={"kind": kind, "idempotencyKey": key, "payloadHash": digest})
+    transition_log(entity="command", id=record.pk, project=project.pk, kind=kind, attempt=record.attempts,
+                   **{"from": "new" if created else record.status, "to": record.status})
+    return record, True
 
 
 def _command_succeed(*, record_id: int, organization_id: int, result: Any,

@@ -14,7 +14,6 @@ from __future__ import annotations
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.services import event_record
 from runs.errors import DriftUnacknowledged, PipelineKeyInUse
 from runs.events import GATE_FAILED, GATE_PASSED, GATE_REVALIDATED, RUN_DRIFT_DETECTED
 from runs.models import (
@@ -29,6 +28,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_event_record
 from runs.pipeline.pins import Drift, pins_record
 from runs.plan import plan_step_spec, plan_task_spec
 
@@ -218,11 +218,11 @@ def _receipt_create(run: Run, step: Step, attempt: StepAttempt | None, receipt: 
         event_type = GATE_REVALIDATED
     else:
         event_type = GATE_PASSED if record.passed else GATE_FAILED
-    event_record(type=event_type, organization_id=run.organization_id,
-                 project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
-                          "receipt": record.pk, "passed": record.passed, "invariants": record.invariants,
-                          "phase": record.phase.name if record.phase else None})
+    run_event_record(type=event_type, organization_id=run.organization_id,
+                     project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "gate": record.gate, "check": record.check_name, "kind": record.kind,
+                              "receipt": record.pk, "passed": record.passed, "invariants": record.invariants,
+                              "phase": record.phase.name if record.phase else None})
     return record
 
 
@@ -231,8 +231,8 @@ def _drift_records(run: Run, drifts: list[Drift], *, before: str, kind: str = Dr
     records = [DriftRecord.objects.create(run=run, attempt_number=run.attempt_number, kind=kind,
                                           dimension=d.dimension, recorded=d.recorded, live=d.live,
                                           detected_before=before, detected_at=now) for d in drifts]
-    event_record(type=RUN_DRIFT_DETECTED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
-                     {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
+    run_event_record(type=RUN_DRIFT_DETECTED, organization_id=run.organization_id, project_id=run.project_id,
+                     run_id=run.pk, payload={"run": run.pk, "before": before, "drift": [
+                         {"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]})
     return records
 

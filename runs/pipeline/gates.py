@@ -15,7 +15,6 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from core.services import event_record
 from runs import services
 from runs.events import APPROVAL_REQUESTED
 from runs.models import (
@@ -24,6 +23,7 @@ from runs.models import (
     Step,
     StepAttempt,
 )
+from runs.outbox import run_event_record
 from runs.pipeline.bookkeeping import _drift_records, _receipt_create, _receipt_output
 from runs.pipeline.checks import CheckContext, CheckResult, check_args, check_evaluate
 from runs.pipeline.pins import Drift, pins_drift, pins_values
@@ -109,9 +109,9 @@ def _approval_execute(*, step: Step, attempt: StepAttempt) -> services.StepOutco
                 asked={"gate": gate, "step": step.name, "task": step.task.name,
                        "question": step.args.get("question", f"approve gate {gate!r} of run {run.pk}?"),
                        "pins": pins_values(run)})
-            event_record(type=APPROVAL_REQUESTED, organization_id=run.organization_id, project_id=run.project_id,
-                         run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
-                                                 "asked": request.asked})
+            run_event_record(type=APPROVAL_REQUESTED, organization_id=run.organization_id, project_id=run.project_id,
+                             run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
+                                                     "asked": request.asked})
         outcome = services.step_attempt_abandon(attempt_id=attempt.pk)
         if run.status == Run.Status.RUNNING:
             services.run_pause(run_id=run.pk, status_reason=status_reason(SubState.AWAITING_APPROVAL, gate))

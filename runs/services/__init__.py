@@ -52,6 +52,7 @@ from runs.services.lifecycle import (  # noqa: F401
     run_void,
 )
 from runs.services.steps import (  # noqa: F401
+    HEARTBEAT_REUSE,
     StepOutcome,
     runnable_steps,
     step_attempt_abandon,

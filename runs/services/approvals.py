@@ -9,19 +9,20 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import InvalidTransition, ValidationFailed
-from core.services import audit_record, event_record, transition_log
+from core.services import audit_record, transition_log
 from runs.errors import ApprovalNotPending, ApprovalReused
 from runs.events import APPROVAL_GRANTED
 from runs.models import (
     ApprovalRequest,
     Run,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.services.common import _lock_run
 from runs.services.lifecycle import run_resume
 from runs.substates import StatusReason, SubState
 
 
-@transaction.atomic
+@run_atomic()
 def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, reason: str = "") -> ApprovalRequest:
     """Approve ``gate`` of a run waiting for it, with an approval reference used nowhere else."""
     errors = {}
@@ -58,9 +59,9 @@ def approval_grant(*, run_id: int, gate: str, approval_ref: str, actor=None, rea
     transition_log(entity="approval", id=request.pk, project=run.project_id, run=run.pk,
                    attempt=request.attempt_number, gate=gate, **{"from": ApprovalRequest.Status.PENDING,
                                                                  "to": request.status}, reason=reason)
-    event_record(type=APPROVAL_GRANTED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
-                                         "approval_ref": approval_ref})
+    run_event_record(type=APPROVAL_GRANTED, organization_id=run.organization_id, project_id=run.project_id,
+                     run_id=run.pk, payload={"run": run.pk, "gate": gate, "approval": request.pk,
+                                             "approval_ref": approval_ref})
     audit_record(actor=actor, action="approve_gate", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
                  before={"status_reason": run.status_reason}, after={"gate": gate, "approval_ref": approval_ref})

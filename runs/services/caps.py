@@ -10,9 +10,9 @@ from __future__ import annotations
 from django.db import transaction
 from django.utils import timezone
 
-from core.services import event_record
 from runs.events import RUN_CAP_EXCEEDED
 from runs.models import EscalationTicket, Run, RunAttempt
+from runs.outbox import run_event_record
 from runs.pipeline.bookkeeping import attempt_active_ms
 from runs.pipeline.caps import cap_due
 from runs.services.common import _lock_run
@@ -44,9 +44,9 @@ def caps_enforce(*, run_id: int, now=None) -> str | None:
         else:
             phase.cap_escalated_at = now
             phase.save(update_fields=["cap_escalated_at"])
-        event_record(type=RUN_CAP_EXCEEDED, organization_id=run.organization_id, project_id=run.project_id,
-                     run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
-                                             "active_ms": attempt_active_ms(attempt, now)})
+        run_event_record(type=RUN_CAP_EXCEEDED, organization_id=run.organization_id, project_id=run.project_id,
+                         run_id=run.pk, payload={"run": run.pk, "cap": cap, "detail": detail,
+                                                 "active_ms": attempt_active_ms(attempt, now)})
         run = run_pause(run_id=run.pk, status_reason=status_reason(SubState.STOP_AND_ESCALATE, cap), reason=detail)
         # an earlier cap's (or any trigger's) ticket is still open: this cap goes on it
         escalation_open(run=run, trigger=EscalationTicket.Trigger.CAP, detail=detail)

@@ -9,13 +9,15 @@ from typing import Any, Callable
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Subquery
 from django.utils import timezone
 from django_fsm import can_proceed
 
 from core.errors import (
     InvalidTransition,
+    NotFound,
 )
-from core.services import audit_record, event_record, row_lock, transition_log
+from core.services import audit_record, row_lock, transition_log
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -32,6 +34,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic_scope, run_event_record
 from runs.pipeline import bookkeeping
 
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
@@ -50,6 +53,73 @@ def _dispatch_after_commit(run_id: int) -> None:
 
 def _lock_run(run_id: int) -> Run:
     return row_lock(Run, run_id, entity="run")
+
+
+def _lock_run_of(model, pk: int, *, entity: str) -> Run:
+    """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
+    one statement (its id read in a subquery); ``NotFound`` when there is no such row."""
+    run = (Run.objects.select_for_update(of=("self",)).select_related("project")
+           .filter(pk=Subquery(model.objects.filter(pk=pk).values("run_id"))).first())
+    if run is None:
+        raise NotFound(f"{entity} {pk} does not exist")
+    return run
+
+
+class RunTree:
+    """The current attempt's agents, tasks and steps of a locked run, read in one query and kept on
+    the run for the rest of the transaction (``_run_tree``). Every node is one object here (a step's
+    ``task`` and a task's ``agent`` are the tree's own), so moves made on these objects keep it
+    current; a move of another copy of a node drops the tree (``_node_move``), read again when
+    next needed. A plan's agents and tasks are never empty, so the steps name every node."""
+
+    def __init__(self, run: Run):
+        self.attempt_number = run.attempt_number
+        rows = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number).select_related(
+            "task__agent")
+        self.agents: dict[int, Agent] = {}
+        self.tasks: dict[int, Task] = {}
+        self.steps: dict[int, Step] = {}
+        for step in rows:
+            task = self.tasks.setdefault(step.task_id, step.task)
+            task.agent = self.agents.setdefault(task.agent_id, task.agent)
+            step.task = task
+            self.steps[step.pk] = step
+        self._tasks_of: dict[int, list[Task]] = {}
+        for task in sorted(self.tasks.values(), key=lambda t: t.sequence):
+            self._tasks_of.setdefault(task.agent_id, []).append(task)
+        self._steps_of: dict[int, list[Step]] = {}
+        for step in sorted(self.steps.values(), key=lambda s: s.sequence):
+            self._steps_of.setdefault(step.task_id, []).append(step)
+
+    def agents_in_order(self) -> list[Agent]:
+        return sorted(self.agents.values(), key=lambda a: a.sequence)
+
+    def tasks_of(self, agent_id: int) -> list[Task]:
+        return self._tasks_of.get(agent_id, [])
+
+    def steps_of(self, task_id: int) -> list[Step]:
+        return self._steps_of.get(task_id, [])
+
+    def holds(self, node) -> bool:
+        nodes = self.steps if isinstance(node, Step) else self.tasks if isinstance(node, Task) else self.agents
+        return nodes.get(node.pk) is node
+
+
+def _run_tree(run: Run) -> RunTree:
+    """The run's tree: read once per ``run_atomic()`` transaction (again after a move made around
+    it, or a new attempt); outside one, read at every call."""
+    scope = run_atomic_scope()
+    tree = run.__dict__.get("_tree")
+    if tree is None or tree.scope is not scope or scope is None or tree.attempt_number != run.attempt_number:
+        tree = RunTree(run)
+        tree.scope = scope
+        if scope is not None:
+            run.__dict__["_tree"] = tree
+    return tree
+
+
+def _run_tree_forget(run: Run) -> None:
+    run.__dict__.pop("_tree", None)
 
 
 def _snapshot(run: Run) -> dict[str, Any]:
@@ -75,14 +145,17 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
-                       extra: dict | None = None, audit_after: dict | None = None) -> None:
+                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False) -> None:
+    """Save the run and write its event, audit row and log line (``created``: the run was just
+    inserted as it is, with its ``status_changed_at``)."""
     now = timezone.now()
-    if before["status"] != run.status:
+    if before["status"] != run.status and not created:
         run.status_changed_at = now
         if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
-    run.save()
+    if not created:
+        run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {
         "run": run.pk,
@@ -100,8 +173,8 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if run.last_error_code:
         payload["error"] = {"code": run.last_error_code, "message": run.last_error}
     payload.update(extra or {})
-    event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload=payload)
+    run_event_record(type=run_event(run.status), organization_id=run.organization_id, project_id=run.project_id,
+                     run_id=run.pk, payload=payload)
     if actor is not None:
         audit_record(actor=actor, action=f"run_{action}", target_type="run", target_id=run.pk,
                      organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
@@ -110,13 +183,27 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
                    **{"from": before["status"], "to": run.status}, action=action, reason=reason or run.last_error_code)
 
 
+def _current_attempt(run: Run) -> RunAttempt | None:
+    """The run's current attempt, read once per ``run_atomic()`` transaction: the services change
+    it through this one object (and save the fields they change)."""
+    scope = run_atomic_scope()
+    cached = run.__dict__.get("_attempt")
+    if cached is not None and scope is not None and cached[0] is scope and cached[1] == run.attempt_number:
+        return cached[2]
+    attempt = RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
+    if scope is not None and attempt is not None:
+        run.__dict__["_attempt"] = (scope, run.attempt_number, attempt)
+    return attempt
+
+
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
+    """End the attempt (with the release ``_settle(..., save=False)`` just made, in one UPDATE)."""
     if attempt is None:
         return
     attempt.outcome = outcome
     attempt.error_code = error_code
     attempt.ended_at = timezone.now()
-    attempt.save(update_fields=["outcome", "error_code", "ended_at"])
+    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_refunded"])
 
 
 def _duration_ms(run: Run, end) -> int:
@@ -134,11 +221,14 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
     if node.last_error_code:
         payload["error"] = {"code": node.last_error_code, "message": node.last_error}
     payload.update(extra or {})
-    event_record(type=node_event(entity, node.status), organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload=payload)
+    run_event_record(type=node_event(entity, node.status), organization_id=run.organization_id,
+                     project_id=run.project_id, run_id=run.pk, payload=payload)
 
 
 def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True) -> None:
+    tree = run.__dict__.get("_tree")
+    if tree is not None and not tree.holds(node):
+        _run_tree_forget(run)  # another copy of a node moves: the tree is read again when needed
     before = node.status
     getattr(node, action)()
     now = timezone.now()
@@ -159,6 +249,40 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         _node_event(node, before=before, run=run)
 
 
+def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:
+    """``_node_move`` (without events) of many nodes of one level in one UPDATE: each node's
+    transition is checked by its state machine first, then the rows are written together (the
+    run's lock keeps out every other writer of its nodes). ``values``: other fields, the same for
+    every node, set on the objects and written with them."""
+    nodes = list(nodes)
+    if not nodes:
+        return
+    tree = run.__dict__.get("_tree")
+    if tree is not None and not all(tree.holds(node) for node in nodes):
+        _run_tree_forget(run)
+    now = timezone.now()
+    moves = []
+    for node in nodes:
+        before = node.status
+        getattr(node, action)()
+        if node.status in DONE_NODE_STATES:
+            node.finished_at = now
+        for name, value in (values or {}).items():
+            setattr(node, name, value)
+        moves.append((node, before))
+    updates = {"status": nodes[0].status, **(values or {})}  # one transition, one target state
+    if nodes[0].status in DONE_NODE_STATES or action == "reset":
+        updates["finished_at"] = nodes[0].finished_at
+    type(nodes[0]).objects.filter(pk__in=[node.pk for node in nodes]).update(**updates)
+    for node, before in moves:
+        node._update_initial_state()  # saved: a later save of this object expects the new state
+        if isinstance(node, Task) and run.gated:
+            bookkeeping.phase_moved(run, node, action=action)
+        transition_log(entity=type(node).__name__.lower(), id=node.pk, project=run.project_id, run=run.pk,
+                       attempt=run.attempt_number, action=action, **{"from": before, "to": node.status}, reason="",
+                       name=node.name)
+
+
 def _discard_open_attempts(run: Run, steps_qs) -> None:
     StepAttempt.objects.filter(run=run, step__in=steps_qs, outcome=StepAttempt.Outcome.RUNNING).update(
         outcome=StepAttempt.Outcome.DISCARDED, finished_at=timezone.now())
@@ -174,42 +298,40 @@ def _terminate_live_nodes(run: Run, *, attempt_number: int) -> None:
             filters["agent__attempt_number"] = attempt_number
         else:
             filters["task__agent__attempt_number"] = attempt_number
-        for node in model.objects.filter(**filters):
-            _node_move(node, "cancel", run=run, emit=False)
+        _nodes_move(model.objects.filter(**filters), "cancel", run=run)
     _discard_open_attempts(run, Step.objects.filter(run=run, task__agent__attempt_number=attempt_number))
 
 
 def _spawn_hierarchy(run: Run) -> int:
-    """Create the agents, tasks and steps of the current attempt from the plan (once)."""
-    if Agent.objects.filter(run=run, attempt_number=run.attempt_number).exists():
-        return 0
+    """Create the agents, tasks and steps of the current attempt from the plan (once: a run
+    enters running from pending once per attempt, and the names are unique per attempt)."""
     return _spawn_agents(run, run.plan["agents"])
 
 
 def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0) -> int:
-    count = 0
-    for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence):
-        agent = Agent.objects.create(
-            run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
-            failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
-            parallelism_mode=agent_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
-        )
-        count += 1
-        for t_seq, task_spec in enumerate(agent_spec["tasks"]):
-            task = Task.objects.create(
-                run=run, agent=agent, name=task_spec["name"], sequence=t_seq,
-                failure_mode=task_spec.get("failure_mode", FailureMode.FAIL_FAST),
-                parallelism_mode=task_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
-                depends_on=list(task_spec.get("depends_on") or []),
-            )
-            Step.objects.bulk_create([
-                Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
-                     kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
-                     args={**step_spec.get("args", {}),
-                           **({"check": step_spec["check"]} if "check" in step_spec else {}),
-                           **({"gate": step_spec["gate"]} if "gate" in step_spec else {})},
-                     max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
-                for s_seq, step_spec in enumerate(task_spec["steps"])
-            ])
-    return count
-
+    """One INSERT per level: the agents, then their tasks, then their steps."""
+    _run_tree_forget(run)
+    agents = Agent.objects.bulk_create([
+        Agent(run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
+              failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
+              parallelism_mode=agent_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL))
+        for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence)
+    ])
+    specs = [(agent, task_spec) for agent, agent_spec in zip(agents, agent_specs) for task_spec in agent_spec["tasks"]]
+    tasks = Task.objects.bulk_create([
+        Task(run=run, agent=agent, name=task_spec["name"], sequence=t_seq,
+             failure_mode=task_spec.get("failure_mode", FailureMode.FAIL_FAST),
+             parallelism_mode=task_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
+             depends_on=list(task_spec.get("depends_on") or []))
+        for agent, agent_spec in zip(agents, agent_specs) for t_seq, task_spec in enumerate(agent_spec["tasks"])
+    ])
+    Step.objects.bulk_create([
+        Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
+             kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
+             args={**step_spec.get("args", {}),
+                   **({"check": step_spec["check"]} if "check" in step_spec else {}),
+                   **({"gate": step_spec["gate"]} if "gate" in step_spec else {})},
+             max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
+        for task, (_, task_spec) in zip(tasks, specs) for s_seq, step_spec in enumerate(task_spec["steps"])
+    ])
+    return len(agents)

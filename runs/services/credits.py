@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import uuid
 
-from django.db import transaction
 
 from billing.errors import CreditLimitExceeded
 from billing.models import LedgerEntry
@@ -15,35 +14,42 @@ from core.errors import (
     InvalidTransition,
     ValidationFailed,
 )
-from core.services import audit_record, event_record
+from core.services import audit_record
 from runs.events import RUN_REFUNDED
 from runs.models import (
     SETTLED_RUN_STATES,
     Run,
     RunAttempt,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.services.common import _lock_run, _snapshot
 
 
 def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
+    """Reserve the run's ``credit_limit`` for ``attempt`` (a new attempt not yet saved is inserted
+    with it)."""
     result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                             attempt_number=attempt.number, amount=run.credit_limit,
                             idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
-                            reason=reason or f"reserve for attempt {attempt.number}")
+                            reason=reason or f"reserve for attempt {attempt.number}", emit=run_event_record)
     if result.created:
         attempt.credits_reserved += run.credit_limit
         run.credits_reserved += run.credit_limit
+    if attempt.pk is None:
+        attempt.save()
+    elif result.created:
         attempt.save(update_fields=["credits_reserved"])
 
 
 def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number: int) -> None:
     """Hold a re-plan's worst-case cost on top of the attempt's reservation (released with the rest
     when the attempt ends); ``InsufficientCredits`` when the organization cannot pay it."""
-    with transaction.atomic():
+    with run_atomic():
         result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                                 attempt_number=attempt.number, amount=amount,
                                 idempotency_key=f"replan:{run.pk}:{attempt.number}:{replan_number}",
-                                reason=f"reserve for re-plan {replan_number} of attempt {attempt.number}")
+                                reason=f"reserve for re-plan {replan_number} of attempt {attempt.number}",
+                                emit=run_event_record)
     if result.created:
         attempt.credits_reserved += amount
         run.credits_reserved += amount
@@ -52,16 +58,18 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
 
 
 def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
-    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it."""
-    if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
-        return False
+    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it. The
+    ledger answers a key already charged (nothing written, False)."""
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if amount > remaining:
+        if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
+            return False  # charged already: a repeat is not refused for what the first one took
         raise CreditLimitExceeded(
             f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
     result = ledger_charge(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason)
+                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason,
+                           emit=run_event_record)
     if result.created:
         attempt.credits_charged += amount
         run.credits_charged += amount
@@ -69,8 +77,9 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
     return result.created
 
 
-def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "") -> None:
-    """Release what the attempt reserved and did not charge: ``charged + refunded = reserved``."""
+def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "", save: bool = True) -> None:
+    """Release what the attempt reserved and did not charge: ``charged + refunded = reserved``
+    (``save=False``: the caller saves the attempt, ``_close_attempt``)."""
     if attempt is None:
         return
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
@@ -79,14 +88,16 @@ def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "
     result = ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                            attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
                            idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
-                           reason=reason or f"release unused reservation of attempt {attempt.number}")
+                           reason=reason or f"release unused reservation of attempt {attempt.number}",
+                           emit=run_event_record)
     if result.created:
         attempt.credits_refunded += remaining
         run.credits_refunded += remaining
-        attempt.save(update_fields=["credits_refunded"])
+        if save:
+            attempt.save(update_fields=["credits_refunded"])
 
 
-@transaction.atomic
+@run_atomic()
 def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: str,
                idempotency_key: str | None = None) -> int:
     """Give charged credits of a settled run back to its organization (full or partial).
@@ -123,7 +134,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
         ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                       attempt_number=attempt.number, amount=take, source=LedgerEntry.Source.CHARGE,
                       idempotency_key=f"{key}:attempt:{attempt.number}" if take != amount else key,
-                      actor=actor, reason=reason)
+                      actor=actor, reason=reason, emit=run_event_record)
         attempt.credits_charged -= take
         attempt.credits_refunded += take
         attempt.save(update_fields=["credits_charged", "credits_refunded"])
@@ -133,8 +144,8 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
     run.credits_charged -= amount
     run.credits_refunded += amount
     run.save(update_fields=["credits_charged", "credits_refunded", "updated_at"])
-    event_record(type=RUN_REFUNDED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "amount": amount, "reason": reason})
+    run_event_record(type=RUN_REFUNDED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "amount": amount, "reason": reason})
     audit_record(actor=actor, action="run_refund", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
                  after=_snapshot(run))

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import Conflict, InvalidTransition, NotFound, ValidationFailed
-from core.services import actor_label, audit_record, event_record, transition_log
+from core.services import actor_label, audit_record, transition_log
 from runs.errors import ApprovalRequired, DriftNotPending
 from runs.events import RUN_DRIFT_ACKNOWLEDGED, RUN_STOPPED
 from runs.models import (
@@ -28,6 +28,7 @@ from runs.models import (
     Run,
     StepAttempt,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.pipeline.bookkeeping import (
     _drift_records,
     _receipt_create,
@@ -44,7 +45,7 @@ from runs.services.steps import StepOutcome, step_attempt_abandon
 from runs.substates import GATE_DIMENSION, StatusReason, SubState, status_reason
 
 
-@transaction.atomic
+@run_atomic()
 def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None = None) -> list[DriftRecord]:
     """Accept the run's open drift (every dimension, or ``dimension``) with a reason. A pin's live
     value is recorded as a new pin (actor, reason); the superseded pin stays in the run's record.
@@ -85,8 +86,8 @@ def drift_acknowledge(*, run_id: int, actor, reason: str, dimension: str | None 
                                       provider=pin.provider, args=pin.args, value=drift.live, source="acknowledged",
                                       recorded_at=now, recorded_by=user, actor_label=label, reason=reason)
     summary = [{"dimension": d.dimension, "recorded": d.recorded, "live": d.live} for d in drifts]
-    event_record(type=RUN_DRIFT_ACKNOWLEDGED, organization_id=run.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
+    run_event_record(type=RUN_DRIFT_ACKNOWLEDGED, organization_id=run.organization_id, project_id=run.project_id,
+                     run_id=run.pk, payload={"run": run.pk, "drift": summary, "reason": reason, "actor": label})
     audit_record(actor=actor, action="acknowledge_drift", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason,
                  before={"status_reason": run.status_reason, "drift": summary},
@@ -229,6 +230,6 @@ def _stop_reason(run: Run, reason: str) -> None:
         return
     run.status_reason = reason[:200]
     run.save(update_fields=["status_reason", "updated_at"])
-    event_record(type=RUN_STOPPED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
+    run_event_record(type=RUN_STOPPED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "status": run.status, "from": before, "status_reason": run.status_reason})
 

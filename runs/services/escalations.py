@@ -15,9 +15,10 @@ from django.utils import timezone
 from django_fsm import can_proceed
 
 from core.errors import InvalidTransition, ValidationFailed
-from core.services import audit_record, event_record, row_lock, transition_log
+from core.services import audit_record, row_lock, transition_log
 from runs.events import ESCALATION_UPDATED, escalation_event
 from runs.models import OPEN_ESCALATION_STATES, EscalationTicket, Run, StepAttempt
+from runs.outbox import run_atomic, run_event_record
 
 ERROR_WINDOW = timedelta(minutes=5)
 ERROR_THRESHOLD = 5  # more than this many errors in the window
@@ -27,10 +28,10 @@ ERROR_RATE_MIN_SAMPLE = 4
 
 def _emit(ticket: EscalationTicket, *, before: str) -> None:
     run = ticket.run
-    event_record(type=escalation_event(ticket.status), organization_id=ticket.organization_id,
-                 project_id=run.project_id, run_id=run.pk,
-                 payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger, "from": before,
-                          "to": ticket.status, "severity": ticket.severity, "detail": ticket.detail})
+    run_event_record(type=escalation_event(ticket.status), organization_id=ticket.organization_id,
+                     project_id=run.project_id, run_id=run.pk,
+                     payload={"escalation": ticket.pk, "run": run.pk, "trigger": ticket.trigger, "from": before,
+                              "to": ticket.status, "severity": ticket.severity, "detail": ticket.detail})
     transition_log(entity="escalation", id=ticket.pk, run=run.pk, project=run.project_id,
                    **{"from": before, "to": ticket.status}, reason=ticket.trigger)
 
@@ -43,7 +44,7 @@ def _unresolved(run: Run) -> EscalationTicket | None:
     return EscalationTicket.objects.filter(run=run, status__in=OPEN_ESCALATION_STATES).first()
 
 
-@transaction.atomic
+@run_atomic()
 def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: str = "",
                     severity: str = "high") -> tuple[EscalationTicket, bool]:
     """Open the run's ticket for ``trigger``; while the run already has an open or acknowledged
@@ -70,7 +71,7 @@ def escalation_open(*, run: Run, trigger: str, detail: str, actor=None, reason: 
     return ticket, existing is None
 
 
-@transaction.atomic
+@run_atomic()
 def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str | None = None) -> EscalationTicket:
     """A trigger fired while the ticket is still unresolved: the ticket gains an entry in ``triggers``
     and a line in its detail (and an ``escalation_updated`` event) instead of a second ticket, so
@@ -82,9 +83,9 @@ def escalation_add_detail(*, ticket: EscalationTicket, detail: str, trigger: str
     ticket.triggers = [*ticket.triggers, _trigger_entry(trigger, detail, now)]
     ticket.save(update_fields=["detail", "triggers"])
     run = ticket.run
-    event_record(type=ESCALATION_UPDATED, organization_id=ticket.organization_id, project_id=run.project_id,
-                 run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": trigger,
-                                         "status": ticket.status, "added": detail, "severity": ticket.severity})
+    run_event_record(type=ESCALATION_UPDATED, organization_id=ticket.organization_id, project_id=run.project_id,
+                     run_id=run.pk, payload={"escalation": ticket.pk, "run": run.pk, "trigger": trigger,
+                                             "status": ticket.status, "added": detail, "severity": ticket.severity})
     return ticket
 
 
@@ -98,7 +99,7 @@ def _ticket_moved(ticket: EscalationTicket, *, before: str, actor, action: str, 
     return ticket
 
 
-@transaction.atomic
+@run_atomic()
 def escalation_acknowledge(*, ticket_id: int, actor, reason: str = "") -> EscalationTicket:
     """open → acknowledged. Already acknowledged: no-op."""
     ticket = row_lock(EscalationTicket, ticket_id, entity="escalation", related=("run",))
@@ -114,7 +115,7 @@ def escalation_acknowledge(*, ticket_id: int, actor, reason: str = "") -> Escala
     return _ticket_moved(ticket, before=before, actor=actor, action="escalation_acknowledge", reason=reason)
 
 
-@transaction.atomic
+@run_atomic()
 def escalation_resolve(*, ticket_id: int, actor, reason: str) -> EscalationTicket:
     """open|acknowledged → resolved with a resolution note. Already resolved: no-op."""
     if not (reason or "").strip():

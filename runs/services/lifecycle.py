@@ -4,10 +4,9 @@ resume, cancel, void, retry, requeue and delete (seed 001 §1.3).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from django.conf import settings
-from django.db import transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
@@ -18,7 +17,7 @@ from core.errors import (
     ValidationFailed,
 )
 from core.models import Project
-from core.services import actor_label, audit_record, event_record, transition_log
+from core.services import actor_label, audit_record, transition_log
 from runs.errors import PlanIsContract, RunNotStuck
 from runs.events import RUN_DELETED
 from runs.models import (
@@ -31,6 +30,7 @@ from runs.models import (
     Step,
     Task,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.pipeline import bookkeeping
 from runs.plan import plan_cost_estimate, plan_is_gated, plan_validate
 from runs.selectors import run_current_attempt
@@ -41,6 +41,7 @@ from runs.services.common import (
     _duration_ms,
     _lock_run,
     _node_move,
+    _nodes_move,
     _record_run_change,
     _snapshot,
     _spawn_hierarchy,
@@ -52,7 +53,7 @@ from runs.services.settlement import _complete_locked, _fail_locked, _retry_lock
 from runs.substates import StatusReason, SubState, status_reason
 
 
-@transaction.atomic
+@run_atomic()
 def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
                failure_mode: str = FailureMode.FAIL_FAST, max_attempts: int = 3,
                credit_limit: int | None = None, actor=None, reason: str = "", mode: str = "live") -> Run:
@@ -103,11 +104,11 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
         mode=mode, gated=plan_is_gated(plan),
     )
     before = {"status": "", "attempt": 1}
-    _record_run_change(run, before=before, action="create", actor=actor, reason=reason)
+    _record_run_change(run, before=before, action="create", actor=actor, reason=reason, created=True)
     return run
 
 
-@transaction.atomic
+@run_atomic()
 def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
     """created → pending: reserve ``credit_limit`` for attempt 1 and hand the run to a worker.
 
@@ -121,18 +122,22 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     _apply(run, "start")
     bookkeeping.pipeline_keys_claim(run)  # a gated run's phase keys; another run's key refuses the start
-    attempt, _ = RunAttempt.objects.get_or_create(run=run, number=run.attempt_number)
+    attempt = RunAttempt(run=run, number=run.attempt_number)  # inserted with its reservation
     _reserve(run, attempt, actor=actor, reason=reason)
     _record_run_change(run, before=before, action="start", actor=actor, reason=reason)
     _dispatch_after_commit(run.pk)
     return run
 
 
-@transaction.atomic
-def run_mark_running(*, run_id: int) -> Run:
-    """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op."""
+@run_atomic()
+def run_mark_running(*, run_id: int, then: Callable[[Run], Any] | None = None) -> Run:
+    """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op.
+    ``then`` is called with the run (locked) in the same transaction when the run is running
+    (the engine schedules its runnable steps there)."""
     run = _lock_run(run_id)
     if run.status == Run.Status.RUNNING:
+        if then is not None:
+            then(run)
         return run
     before = _snapshot(run)
     from_resuming = run.status == Run.Status.RESUMING
@@ -147,6 +152,8 @@ def run_mark_running(*, run_id: int) -> Run:
     _record_run_change(run, before=before, action="mark_running")
     if from_resuming:
         _apply_failure_deferred_by_pause(run)
+    if then is not None and run.status == Run.Status.RUNNING:
+        then(run)
     return run
 
 
@@ -156,7 +163,7 @@ def run_heartbeat(*, run_id: int) -> bool:
                 .update(last_heartbeat=timezone.now()))
 
 
-@transaction.atomic
+@run_atomic()
 def run_complete(*, run_id: int, actor=None, reason: str = "") -> Run:
     """running → completed once every agent is done: release the unused reservation.
 
@@ -168,7 +175,7 @@ def run_complete(*, run_id: int, actor=None, reason: str = "") -> Run:
     return _complete_locked(run, actor=actor, reason=reason)
 
 
-@transaction.atomic
+@run_atomic()
 def run_fail(*, run_id: int, code: str, message: str, actor=None, reason: str = "") -> Run:
     """pending|running|resuming|retrying → failed: end live agents, release the unused
     reservation, record ``last_error``. Already failed: returns the run with its existing error.
@@ -185,7 +192,7 @@ def run_fail(*, run_id: int, code: str, message: str, actor=None, reason: str = 
 HEARTBEAT_TIMEOUT_CODE = "heartbeat_timeout"
 
 
-@transaction.atomic
+@run_atomic()
 def run_recover(*, run_id: int, older_than_s: int, actor=None, reason: str = "") -> Run:
     """Seed 001 §9.1's recovery: a running run whose worker has been silent for ``older_than_s``
     (and whose work is not simply waiting in the queue) → failed with ``heartbeat_timeout``: live
@@ -209,7 +216,7 @@ def run_recover(*, run_id: int, older_than_s: int, actor=None, reason: str = "")
                         f"{actor_label(actor)}", actor=actor, reason=reason, action="recover")
 
 
-@transaction.atomic
+@run_atomic()
 def run_pause(*, run_id: int, actor=None, reason: str = "", status_reason: str = "") -> Run:
     """running → paused: pause live agents, tasks and steps; no new work starts. Paused: no-op."""
     run = _lock_run(run_id)
@@ -220,14 +227,14 @@ def run_pause(*, run_id: int, actor=None, reason: str = "", status_reason: str =
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
                            (Task, {"agent__attempt_number": run.attempt_number}),
                            (Step, {"task__agent__attempt_number": run.attempt_number})):
-        for node in model.objects.filter(run=run, status__in=[NodeStatus.PENDING, NodeStatus.RUNNING], **filters):
-            _node_move(node, "pause", run=run, emit=False)
+        _nodes_move(model.objects.filter(run=run, status__in=[NodeStatus.PENDING, NodeStatus.RUNNING], **filters),
+                    "pause", run=run)
     run.status_reason = status_reason or "paused"
     _record_run_change(run, before=before, action="pause", actor=actor, reason=reason)
     return run
 
 
-@transaction.atomic
+@run_atomic()
 def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     """paused → resuming: paused agents, tasks and steps back to pending; a worker then moves
     the run to running. Already resuming: no-op.
@@ -242,8 +249,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
     for model, filters in ((Agent, {"attempt_number": run.attempt_number}),
                            (Task, {"agent__attempt_number": run.attempt_number}),
                            (Step, {"task__agent__attempt_number": run.attempt_number})):
-        for node in model.objects.filter(run=run, status=NodeStatus.PAUSED, **filters):
-            _node_move(node, "unpause", run=run, emit=False)
+        _nodes_move(model.objects.filter(run=run, status=NodeStatus.PAUSED, **filters), "unpause", run=run)
     run.status_reason = ""
     _record_run_change(run, before=before, action="resume", actor=actor, reason=reason)
     _dispatch_after_commit(run.pk)
@@ -262,7 +268,7 @@ def _end_cancelled(run: Run, *, actor, reason: str) -> RunAttempt | None:
     return attempt
 
 
-@transaction.atomic
+@run_atomic()
 def run_cancel(*, run_id: int, actor=None, reason: str = "", code: str = "cancelled") -> Run:
     """created|pending|running|paused → cancelled: end live agents, release every credit not
     charged. Already cancelled: no-op.
@@ -299,7 +305,7 @@ def _approvals_void(run: Run, *, reason: str) -> int:
     return len(pending)
 
 
-@transaction.atomic
+@run_atomic()
 def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     """paused|failed → cancelled with the status reason ``voided:<reason>`` (seed 002's void): end
     live agents, release every credit not charged, release the run's phase idempotency keys (a
@@ -327,7 +333,7 @@ def run_void(*, run_id: int, actor=None, reason: str) -> Run:
     return run
 
 
-@transaction.atomic
+@run_atomic()
 def run_retry(*, run_id: int, actor=None, reason: str = "", plan: dict | None = None) -> Run:
     """failed → retrying while ``attempt_number < max_attempts``: a new attempt with a new
     reservation; earlier agents, tasks and steps stay for audit. Already retrying: no-op.
@@ -360,7 +366,7 @@ def _retry_plan_check(run: Run, plan: Any) -> None:
         raise ValidationFailed("invalid plan", errors={"plan": errors})
 
 
-@transaction.atomic
+@run_atomic()
 def run_requeue(*, run_id: int) -> Run:
     """retrying → pending: the new attempt waits for a worker. Already pending: no-op."""
     run = _lock_run(run_id)
@@ -372,7 +378,7 @@ def run_requeue(*, run_id: int) -> Run:
     return run
 
 
-@transaction.atomic
+@run_atomic()
 def run_delete(*, run_id: int, actor=None, reason: str = "") -> Run:
     """Soft-delete a run that was never started (``created``). Already deleted: no-op."""
     run = _lock_run(run_id)
@@ -384,8 +390,8 @@ def run_delete(*, run_id: int, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     run.deleted_at = timezone.now()
     run.save(update_fields=["deleted_at", "updated_at"])
-    event_record(type=RUN_DELETED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "reason": reason})
+    run_event_record(type=RUN_DELETED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "reason": reason})
     audit_record(actor=actor, action="run_delete", target_type="run", target_id=run.pk,
                  organization_id=run.organization_id, run_id=run.pk, reason=reason, before=before,
                  after={**_snapshot(run), "deleted": True})

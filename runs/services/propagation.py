@@ -4,10 +4,9 @@ failure mode (fail-fast, continue, retry), with the re-plan of seed 001 §6.4.
 
 from __future__ import annotations
 
-from django.db import transaction
 
 from billing.errors import InsufficientCredits
-from core.services import event_record, transition_log
+from core.services import transition_log
 from runs.events import RUN_REPLANNED, RUN_RETRY_REFUSED
 from runs.models import (
     LIVE_NODE_STATES,
@@ -20,11 +19,14 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic, run_event_record
 from runs.plan import plan_cost_estimate
-from runs.selectors import run_current_attempt
 from runs.services.common import (
+    _current_attempt,
     _discard_open_attempts,
     _node_move,
+    _nodes_move,
+    _run_tree,
     _spawn_agents,
 )
 from runs.services.credits import _reserve_replan
@@ -39,7 +41,7 @@ from runs.services.settlement import (
 def _apply_failure_deferred_by_pause(run: Run) -> None:
     """On resume: the agent failure noted during the pause takes effect (re-plan, else the run's
     failure mode); without one, a run whose agents all finished meanwhile settles."""
-    attempt = run_current_attempt(run)
+    attempt = _current_attempt(run)
     failed = None
     if attempt is not None and attempt.error_code and not attempt.outcome:
         attempt.error_code = ""
@@ -58,13 +60,9 @@ def _apply_failure_deferred_by_pause(run: Run) -> None:
 
 
 def _reset_steps(run: Run, task: Task) -> None:
-    steps = Step.objects.filter(task=task)
-    _discard_open_attempts(run, steps)
-    for step in steps:
-        step.tries_this_round = 0
-        step.not_before = None
-        step.output = None
-        _node_move(step, "reset", run=run, emit=False)
+    steps = list(Step.objects.filter(task=task))
+    _discard_open_attempts(run, Step.objects.filter(task=task))
+    _nodes_move(steps, "reset", run=run, values={"tries_this_round": 0, "not_before": None, "output": None})
 
 
 def _after_step_failed(run: Run, step: Step) -> None:
@@ -85,12 +83,11 @@ def _after_step_failed(run: Run, step: Step) -> None:
 
 
 def _end_children(run: Run, nodes) -> None:
-    """Not started → skipped; started → cancelled (their late results are discarded)."""
-    for node in nodes:
-        if node.status in (NodeStatus.PENDING, NodeStatus.PAUSED) and node.started_at is None:
-            _node_move(node, "skip", run=run, emit=False)
-        elif node.status in LIVE_NODE_STATES:
-            _node_move(node, "cancel", run=run, emit=False)
+    """Not started → skipped; started → cancelled (their late results are discarded): one UPDATE each."""
+    nodes = list(nodes)
+    skipped = [n for n in nodes if n.status in (NodeStatus.PENDING, NodeStatus.PAUSED) and n.started_at is None]
+    _nodes_move(skipped, "skip", run=run)
+    _nodes_move([n for n in nodes if n not in skipped and n.status in LIVE_NODE_STATES], "cancel", run=run)
 
 
 def _task_failed(run: Run, task: Task, error: tuple[str, str], *, transient: bool = False) -> None:
@@ -104,10 +101,10 @@ def _task_failed(run: Run, task: Task, error: tuple[str, str], *, transient: boo
         _settle_agent_if_done(run, agent)
     elif agent.failure_mode == FailureMode.RETRY and transient and agent.retry_count < MAX_RETRIES_PER_LEVEL:
         agent.retry_count += 1
-        for sibling in Task.objects.filter(agent=agent):
+        siblings = list(Task.objects.filter(agent=agent))
+        for sibling in siblings:
             _reset_steps(run, sibling)
-            sibling.retry_count = 0
-            _node_move(sibling, "reset", run=run, emit=False)
+        _nodes_move(siblings, "reset", run=run, values={"retry_count": 0})
         _node_move(agent, "reset", run=run)
     else:
         _agent_failed(run, agent, error, transient=transient)
@@ -143,7 +140,7 @@ def _replan(run: Run) -> bool:
                                level_retries=MAX_RETRIES_PER_LEVEL) if run.mode != "dryrun" else 0)
     if cost:
         try:
-            _reserve_replan(run, run_current_attempt(run), amount=cost, replan_number=number)
+            _reserve_replan(run, _current_attempt(run), amount=cost, replan_number=number)
         except InsufficientCredits as exc:
             if run.failure_mode == FailureMode.CONTINUE:
                 return False  # the run goes on with the agents it has
@@ -154,9 +151,10 @@ def _replan(run: Run) -> bool:
     _spawn_agents(run, specs, first_sequence=next_sequence)
     run.replan_count = number
     run.save(update_fields=["replan_count", "updated_at"])
-    event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                 payload={"run": run.pk, "replan_count": run.replan_count, "failed_agents": [a.name for a in failed],
-                          "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
+    run_event_record(type=RUN_REPLANNED, organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                     payload={"run": run.pk, "replan_count": run.replan_count,
+                              "failed_agents": [a.name for a in failed],
+                              "new_agents": [spec["name"] for spec in specs], "credits_reserved": cost})
     transition_log(entity="run", id=run.pk, project=run.project_id, attempt=run.attempt_number, action="replan",
                    **{"from": run.status, "to": run.status}, reason=f"replan {run.replan_count}")
     return True
@@ -178,34 +176,46 @@ def _run_after_agent_failed(run: Run, *, code: str, message: str, transient: boo
     if (run.failure_mode == FailureMode.RETRY and transient and run.has_attempts_left()
             and run.attempt_number <= MAX_RETRIES_PER_LEVEL):
         try:
-            with transaction.atomic():
+            with run_atomic():  # its events go when it does
                 _retry_locked(run, reason=f"automatic retry after {code}")
         except InsufficientCredits as exc:
             run.refresh_from_db()
-            event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
-                         run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
+            run_event_record(type=RUN_RETRY_REFUSED, organization_id=run.organization_id, project_id=run.project_id,
+                             run_id=run.pk, payload={"run": run.pk, "reason": exc.detail})
 
 
 def _after_step_done(run: Run, task: Task) -> None:
     """Complete (or skip) a task whose steps are all done, then look at its agent."""
-    task.refresh_from_db()
+    tree = _run_tree(run)
+    task = tree.tasks.get(task.pk) or _refreshed(task)
     if task.status not in LIVE_NODE_STATES:
         return
-    statuses = list(Step.objects.filter(task=task).values_list("status", flat=True))
+    statuses = [step.status for step in tree.steps_of(task.pk)] if task.pk in tree.tasks else list(
+        Step.objects.filter(task=task).values_list("status", flat=True))
     if any(s in LIVE_NODE_STATES for s in statuses):
         return
     if NodeStatus.COMPLETED in statuses and task.status in (NodeStatus.RUNNING, NodeStatus.PAUSED):
         _node_move(task, "complete", run=run)
     else:
         _node_move(task, "skip", run=run)
-    _settle_agent_if_done(run, Agent.objects.get(pk=task.agent_id))
+    _settle_agent_if_done(run, task.agent if task.pk in tree.tasks else Agent.objects.get(pk=task.agent_id))
+
+
+def _refreshed(node):
+    node.refresh_from_db()
+    return node
 
 
 def _settle_agent_if_done(run: Run, agent: Agent) -> None:
-    agent.refresh_from_db()
+    tree = _run_tree(run)
+    if agent.pk in tree.agents:
+        agent = tree.agents[agent.pk]
+        tasks = tree.tasks_of(agent.pk)
+    else:  # an agent of another attempt: read as it is now
+        agent.refresh_from_db()
+        tasks = list(Task.objects.filter(agent=agent))
     if agent.status not in LIVE_NODE_STATES:
         return
-    tasks = list(Task.objects.filter(agent=agent))
     # In a DAG, a task whose dependency did not complete can never run: skip it (transitively).
     changed = True
     while changed:
@@ -233,11 +243,10 @@ def _settle_run_if_done(run: Run) -> None:
     """A running run whose agents are all done completes (or fails when none completed)."""
     if run.status != Run.Status.RUNNING:
         return
-    statuses = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number).values_list("status", flat=True))
+    statuses = [agent.status for agent in _run_tree(run).agents.values()]
     if not statuses or any(s in LIVE_NODE_STATES for s in statuses):
         return
     if NodeStatus.COMPLETED in statuses:
         _complete_locked(run)
     else:
         _fail_locked(run, code="no_agent_completed", message="every agent failed or was skipped")
-

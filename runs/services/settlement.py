@@ -18,13 +18,14 @@ from runs.models import (
     RunAttempt,
 )
 from runs.plan import plan_diff
-from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
     _close_attempt,
+    _current_attempt,
     _dispatch_after_commit,
     _duration_ms,
     _record_run_change,
+    _run_tree,
     _snapshot,
     _terminate_live_nodes,
 )
@@ -34,7 +35,7 @@ from runs.services.credits import _reserve, _settle
 def _defer_failure_while_paused(run: Run, *, code: str) -> None:
     """A paused run cannot fail: note the agent failure on the open attempt (its ``error_code``,
     overwritten when the attempt closes); ``run_mark_running`` applies it when the run resumes."""
-    attempt = run_current_attempt(run)
+    attempt = _current_attempt(run)
     if attempt is not None and not attempt.outcome:
         attempt.error_code = code
         attempt.save(update_fields=["error_code"])
@@ -43,12 +44,12 @@ def _defer_failure_while_paused(run: Run, *, code: str) -> None:
 def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
     before = _snapshot(run)
     _apply(run, "complete")
-    agents = Agent.objects.filter(run=run, attempt_number=run.attempt_number)
-    if agents.filter(status__in=LIVE_NODE_STATES).exists() or not agents.filter(status=NodeStatus.COMPLETED).exists():
+    statuses = [agent.status for agent in _run_tree(run).agents.values()]
+    if any(s in LIVE_NODE_STATES for s in statuses) or NodeStatus.COMPLETED not in statuses:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=before["status"], requested="complete",
                                 why="not every agent is done with at least one completed")
-    attempt = run_current_attempt(run)
-    _settle(run, attempt, actor=actor, reason=reason)
+    attempt = _current_attempt(run)
+    _settle(run, attempt, actor=actor, reason=reason, save=False)
     now = timezone.now()
     run.completed_at = now
     run.duration_ms = _duration_ms(run, now)
@@ -61,9 +62,9 @@ def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
 def _fail_locked(run: Run, *, code: str, message: str, actor=None, reason: str = "", action: str = "fail") -> Run:
     before = _snapshot(run)
     _apply(run, "fail")
-    attempt = run_current_attempt(run)
+    attempt = _current_attempt(run)
     _terminate_live_nodes(run, attempt_number=run.attempt_number)
-    _settle(run, attempt, actor=actor, reason=reason)
+    _settle(run, attempt, actor=actor, reason=reason, save=False)
     now = timezone.now()
     run.last_error_code = code
     run.last_error = message
@@ -85,7 +86,7 @@ def _retry_locked(run: Run, *, actor=None, reason: str = "", plan: dict | None =
         audit_after = {"plan": plan, "plan_diff": plan_diff(run.plan, plan)}
         run.plan = plan
         run.max_agents = plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS)
-    attempt = RunAttempt.objects.create(run=run, number=run.attempt_number)
+    attempt = RunAttempt(run=run, number=run.attempt_number)  # inserted with its reservation
     _reserve(run, attempt, actor=actor, reason=reason)
     run.status_reason = ""
     _record_run_change(run, before=before, action="retry", actor=actor, reason=reason, audit_after=audit_after)

@@ -29,13 +29,15 @@ from runs.models import (
     StepAttempt,
     Task,
 )
+from runs.outbox import run_atomic
 from runs.pipeline import bookkeeping
-from runs.selectors import run_current_attempt
 from runs.services.common import (
     STEP_FAILURE_HOOKS,
-    _lock_run,
+    _current_attempt,
+    _lock_run_of,
     _node_event,
     _node_move,
+    _run_tree,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
@@ -60,16 +62,8 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
     now = now or timezone.now()
     if run.status != Run.Status.RUNNING:
         return []
-    agents = list(Agent.objects.filter(run=run, attempt_number=run.attempt_number).order_by("sequence"))
-    tasks = list(Task.objects.filter(run=run, agent__attempt_number=run.attempt_number).order_by("agent_id", "sequence"))
-    steps = list(Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
-                 .order_by("task_id", "sequence"))
-    tasks_by_agent: dict[int, list[Task]] = {}
-    for task in tasks:
-        tasks_by_agent.setdefault(task.agent_id, []).append(task)
-    steps_by_task: dict[int, list[Step]] = {}
-    for step in steps:
-        steps_by_task.setdefault(step.task_id, []).append(step)
+    tree = _run_tree(run)
+    agents = tree.agents_in_order()
     running_agents = sum(1 for a in agents if a.status == NodeStatus.RUNNING)
     result: list[Step] = []
     for agent in agents:
@@ -78,7 +72,7 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
         if agent.status == NodeStatus.PENDING:
             if running_agents >= run.max_agents:
                 continue
-        agent_tasks = tasks_by_agent.get(agent.pk, [])
+        agent_tasks = tree.tasks_of(agent.pk)
         by_name = {t.name: t for t in agent_tasks}
         candidates: list[Task] = []
         if agent.parallelism_mode == ParallelismMode.SEQUENTIAL:
@@ -102,7 +96,7 @@ def runnable_steps(run: Run, *, now=None) -> list[Step]:
         for task in candidates:
             if task.status not in (NodeStatus.PENDING, NodeStatus.RUNNING):
                 continue
-            task_steps = steps_by_task.get(task.pk, [])
+            task_steps = tree.steps_of(task.pk)
             if task.parallelism_mode == ParallelismMode.PARALLEL:
                 busy = sum(1 for s in task_steps if s.status == NodeStatus.RUNNING)
                 ready = [s for s in task_steps if s.status == NodeStatus.PENDING
@@ -131,24 +125,30 @@ class StepOutcome:
     error_code: str = ""
 
 
-@transaction.atomic
-def step_begin(*, step_id: int) -> StepAttempt:
+@run_atomic()
+def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | None = None) -> StepAttempt:
     """pending → running for a runnable step (and its task and agent): a new ``StepAttempt``
-    whose idempotency key names run, attempt, step and try.
+    whose idempotency key names run, attempt, step and try. ``then`` is called with the run
+    (locked), the step and the attempt in the same transaction (the engine records the tool call
+    there, after this begin's events).
     """
-    try:
-        run_id = Step.objects.values_list("run_id", flat=True).get(pk=step_id)
-    except Step.DoesNotExist as exc:
-        raise NotFound(f"step {step_id} does not exist") from exc
-    run = _lock_run(run_id)
-    step = Step.objects.select_related("task__agent").get(pk=step_id)
+    run = _lock_run_of(Step, step_id, entity="step")
+    step = _run_tree(run).steps.get(step_id) or Step.objects.select_related("task__agent").get(pk=step_id)
     if run.status != Run.Status.RUNNING:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="begin step",
                                 why=f"step {step_id} can only start while the run is running")
     if step.pk not in {s.pk for s in runnable_steps(run)}:
         raise InvalidTransition(entity="step", entity_id=step.pk, current=step.status, requested="begin",
                                 why="not runnable now (order, dependencies, limits or backoff)")
-    return step_begin_locked(run, step)
+    attempt = step_begin_locked(run, step)
+    if then is not None:
+        then(run, step, attempt)
+    return attempt
+
+
+# A begin within this long of the run's last recorded heartbeat (the step settled just before in
+# the same transaction, say) does not write another: the timeouts that read it are minutes long.
+HEARTBEAT_REUSE = timedelta(seconds=1)
 
 
 def step_begin_locked(run: Run, step: Step) -> StepAttempt:
@@ -165,19 +165,20 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     _node_move(step, "begin", run=run)
     attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
                                          idempotency_key=_step_idempotency_key(run, step, step.attempts))
-    run.last_heartbeat = timezone.now()
-    run.save(update_fields=["last_heartbeat", "updated_at"])
+    now = timezone.now()
+    if run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE:
+        run.last_heartbeat = now
+        run.save(update_fields=["last_heartbeat", "updated_at"])
     return attempt
 
 
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
-    try:
-        run_id = StepAttempt.objects.values_list("run_id", flat=True).get(pk=attempt_id)
-    except StepAttempt.DoesNotExist as exc:
-        raise NotFound(f"step attempt {attempt_id} does not exist") from exc
-    run = _lock_run(run_id)
+    """The attempt, its step and its run (locked); the step is the run tree's own object when the
+    attempt belongs to the current attempt of the run."""
+    run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
     attempt = StepAttempt.objects.get(pk=attempt_id)
-    step = Step.objects.select_related("task__agent").get(pk=attempt.step_id)
+    step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
+        pk=attempt.step_id)
     return run, attempt, step
 
 
@@ -226,26 +227,29 @@ SettledHook = Callable[[Run, "StepOutcome"], None]
 
 
 def _then(run: Run, outcome: StepOutcome, then: SettledHook | None) -> StepOutcome:
-    if then is not None:
+    if then is not None:  # a hook that lets another app write events flushes the batch first
         then(run, outcome)
     return outcome
 
 
-@transaction.atomic
-def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None) -> StepOutcome:
+def step_attempt_succeed(*, attempt_id: int, output: Any = None, then: SettledHook | None = None,
+                         savepoint: bool = True) -> StepOutcome:
     """Record a successful attempt: charge its cost, complete the step, propagate upwards.
 
     A late result (run cancelled or failed, step retried meanwhile) is discarded. A cost past
     the attempt's reservation fails the step with ``credit_limit_exceeded`` (not retryable).
+    ``savepoint=False``: called inside a transaction that fails as a whole with it (the command
+    record's success), so no savepoint of its own.
     """
-    run, attempt, step, early = _attempt_to_settle(attempt_id)
-    if early is not None:
-        return _then(run, early, then)
-    return _then(run, _succeeded(run, attempt, step, output), then)
+    with run_atomic(savepoint=savepoint):
+        run, attempt, step, early = _attempt_to_settle(attempt_id)
+        if early is not None:
+            return _then(run, early, then)
+        return _then(run, _succeeded(run, attempt, step, output), then)
 
 
 def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepOutcome:
-    run_attempt = run_current_attempt(run)
+    run_attempt = _current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
         try:
@@ -260,14 +264,17 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     step.output = output
     step.credits_charged += cost
     _node_move(step, "complete", run=run)
-    run.save(update_fields=["credits_charged", "updated_at"])
     if run.gated:
         bookkeeping.step_pins_record(run, step)
+    status = run.status
     _after_step_done(run, step.task)
+    if run.status == status:  # not settled by the step (a settlement saves the whole run)
+        run.last_heartbeat = timezone.now()  # a worker settled a step of the run: it is alive
+        run.save(update_fields=["credits_charged", "last_heartbeat", "updated_at"])
     return StepOutcome("completed", step.pk)
 
 
-@transaction.atomic
+@run_atomic()
 def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bool,
                       then: SettledHook | None = None) -> StepOutcome:
     """Record a failed attempt (its cost is charged). Retryable with tries left → the step waits
@@ -280,7 +287,7 @@ def step_attempt_fail(*, attempt_id: int, code: str, message: str, retryable: bo
                                       retryable=retryable, charge=True), then)
 
 
-@transaction.atomic
+@run_atomic()
 def step_attempt_abandon(*, attempt_id: int) -> StepOutcome:
     """Drop an attempt interrupted by pause or cancel (or a gate waiting for approval): nothing is
     charged, the try is not counted; a step still running goes back to pending (paused when the
@@ -304,7 +311,7 @@ def _attempt_failed(run: Run, attempt: StepAttempt, step: Step, *, code: str, me
     cost = _step_cost(step, run) if charge else 0
     if cost:
         try:
-            _charge(run, run_current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+            _charge(run, _current_attempt(run), amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
         except CreditLimitExceeded as exc:
             cost, code, message, retryable = 0, "credit_limit_exceeded", exc.detail, False
     attempt.outcome = StepAttempt.Outcome.FAILED

@@ -14,7 +14,7 @@ from django.db import transaction
 
 from billing.models import CreditAccount, LedgerEntry
 from core.models import AuditRecord, Event
-from runs import services
+from runs import outbox, services
 from runs.invariants import invariants_check
 from runs.models import Agent, Run, RunAttempt, Step, StepAttempt, Task
 from tests.conftest import make_plan
@@ -114,8 +114,14 @@ def test_cancel_failing_on_its_event_leaves_the_run_running(project, monkeypatch
             raise Boom("event store down")
         return original(**kwargs)
 
-    original = services.common.event_record
-    monkeypatch.setattr("runs.services.common.event_record", refuse_run_events)
+    def refuse_run_event_rows(rows):  # a transaction's events, written together at its end
+        if any(row["type"].startswith("run_") for row in rows):
+            raise Boom("event store down")
+        return original_rows(rows)
+
+    original, original_rows = outbox.event_record, outbox.events_record
+    monkeypatch.setattr("runs.outbox.event_record", refuse_run_events)
+    monkeypatch.setattr("runs.outbox.events_record", refuse_run_event_rows)
     with pytest.raises(Boom):
         services.run_cancel(run_id=run.pk, reason="user asked")
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from jobs.models import AdapterCall, Deployment, WorkerHeartbeat
+from jobs.models import AdapterCall, CommandRecord, Deployment, WorkerHeartbeat
 from runs import services
 from runs.invariants import invariants_check
 from runs.models import Run, StepAttempt
@@ -158,6 +158,9 @@ def test_a_worker_killed_after_settling_a_step_and_beginning_the_next_leaves_eac
                          timeout=60, interval=0.02, message="a run_step job on hold")
         assert Step.objects.get(run=run, name="ship").status == "completed"
         assert Job.objects.filter(run_id=run.pk, type="run_step").count() == 1  # no new job for hold
+        hold_key = StepAttempt.objects.get(step=hold, number=1).idempotency_key
+        # hold's tool call was recorded in the transaction that began it (and pointed the job at it)
+        assert CommandRecord.objects.filter(idempotency_key=hold_key, status="recorded").exists()
         beat = wait_for(lambda: WorkerHeartbeat.objects.filter(current_job_id=first.pk).first(), timeout=10,
                         interval=0.02, message="the worker of that job")
         os.kill(int(beat.worker.rsplit(":", 1)[1]), signal.SIGKILL)
@@ -168,6 +171,7 @@ def test_a_worker_killed_after_settling_a_step_and_beginning_the_next_leaves_eac
     assert run.status == Run.Status.COMPLETED, (tmp_path / "qcluster.log").read_text()[-2000:]
     assert first.attempts >= 2  # the killed attempt was recovered and executed again
     assert StepAttempt.objects.filter(run=run).count() == 3  # hold's interrupted attempt resumed, not retried
+    assert CommandRecord.objects.get(idempotency_key=hold_key).status == "succeeded"
     charges = LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE)
     assert charges.count() == 3
     assert sorted(charges.values_list("idempotency_key", flat=True)) == sorted(

@@ -1,0 +1,83 @@
+"""The run engine's events, written in one statement per transaction.
+
+A run service that moves many things at once (a step settles, its task, agent and run follow, the
+ledger records the charge and the release) writes its events through ``run_event_record`` inside
+``run_events_batch()``: the rows are kept in order and written with one
+``core.services.events_record`` INSERT when the block ends (inside the service's transaction, so
+they commit or roll back with it, and their ids increase in the order they were recorded).
+
+Outside a batch ``run_event_record`` writes at once (``core.services.event_record``). ``run_atomic()``
+opens a transaction (a savepoint when nested) with a batch inside: a nested one first writes the
+outer batch's rows (before its savepoint, so a rollback of the savepoint cannot take them), and
+drops its own rows when an exception leaves it (the savepoint rolled back what they describe).
+Code that lets another app write events inside a batch (the queue's enqueue, a command record)
+calls ``run_events_flush()`` first, so the ids stay in the order of the changes they describe.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+from django.db import transaction
+
+from core.services import event_record, events_record
+
+_state = threading.local()
+
+
+def _pending() -> list[dict[str, Any]] | None:
+    return getattr(_state, "rows", None)
+
+
+def run_atomic_scope() -> object | None:
+    """A token for the current outermost ``run_atomic()`` block (None outside one); it changes when
+    a nested block rolls back. What a service reads once per transaction is kept under it."""
+    return getattr(_state, "scope", None)
+
+
+def run_event_record(*, type: str, organization_id: int | None, project_id: int | None = None,
+                     run_id: int | None = None, payload: dict[str, Any] | None = None) -> None:
+    """Record one event: kept for the batch's INSERT inside a batch, written at once outside one."""
+    rows = _pending()
+    row = {"type": type, "organization_id": organization_id, "project_id": project_id, "run_id": run_id,
+           "payload": payload or {}}
+    if rows is None:
+        event_record(**row)
+    else:
+        rows.append(row)
+
+
+def run_events_flush() -> None:
+    """Write the batch's rows now (in order), e.g. before another app writes events of its own."""
+    rows = _pending()
+    if rows:
+        events_record(list(rows))
+        rows.clear()
+
+
+@contextmanager
+def run_atomic(*, savepoint: bool = True) -> Iterator[None]:
+    """``transaction.atomic()`` whose ``run_event_record`` rows are written in one INSERT at its end
+    (also a decorator: ``@run_atomic()``). ``savepoint=False`` inside a transaction: no savepoint,
+    for a caller whose transaction fails as a whole when this block fails (as
+    ``transaction.atomic(savepoint=False)``)."""
+    rows = _pending()
+    if rows is not None:  # nested: the outer batch's rows go first, outside the savepoint
+        run_events_flush()
+        with transaction.atomic(savepoint=savepoint):
+            try:
+                yield
+            except BaseException:
+                rows.clear()  # only this block's rows are left: its savepoint is rolled back
+                _state.scope = object()  # and what was read under the old token may be stale
+                raise
+        return
+    with transaction.atomic(savepoint=savepoint):
+        _state.rows, _state.scope = [], object()
+        try:
+            yield
+            run_events_flush()
+        finally:
+            _state.rows = _state.scope = None

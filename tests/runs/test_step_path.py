@@ -1,0 +1,123 @@
+"""The step path's transactions: a step's begin records its tool call with it, a settlement commits
+with the command's result or not at all, and a transaction's events are written together, in order."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import OperationalError, transaction
+
+from billing.models import LedgerEntry
+from core.models import Event
+from core.services import event_record
+from jobs.models import CommandRecord
+from runs import outbox, services
+from runs.invariants import invariants_check
+from runs.models import Run, StepAttempt
+from tests.conftest import make_plan
+from tests.drive import drain_jobs
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+RUN_EVENT_PREFIXES = ("run_", "agent_", "task_", "step_", "ledger_", "command_")
+
+
+@pytest.fixture(autouse=True)
+def no_wake_messages(monkeypatch):
+    monkeypatch.setattr("jobs.wake._send", lambda count: None)
+
+
+def finish(project, plan):
+    run = services.run_create(project=project, name="path", plan=plan)
+    services.run_start(run_id=run.pk)
+    drain_jobs(until=lambda: Run.objects.get(pk=run.pk).status in (Run.Status.COMPLETED, Run.Status.FAILED),
+               timeout=30)
+    run.refresh_from_db()
+    return run
+
+
+def test_a_chained_run_writes_every_event_once_in_the_order_of_its_changes(project):
+    run = finish(project, make_plan(steps=2))
+    assert run.status == Run.Status.COMPLETED
+    events = list(Event.objects.filter(project_id=project.pk).order_by("id").values_list("type", "payload"))
+    kinds = [kind for kind, _ in events if kind.startswith(RUN_EVENT_PREFIXES)]
+    assert kinds == [
+        "run_created", "ledger_reserve", "run_pending", "run_running",
+        "agent_running", "task_running", "step_running", "command_recorded",
+        "command_succeeded", "ledger_charge", "step_completed", "step_running", "command_recorded",
+        "command_succeeded", "ledger_charge", "step_completed", "task_completed", "agent_completed",
+        "ledger_refund", "run_completed",
+    ]
+    keys = sorted(StepAttempt.objects.filter(run=run).values_list("idempotency_key", flat=True))
+    recorded = [payload["idempotencyKey"] for kind, payload in events if kind == "command_recorded"]
+    assert sorted(recorded) == keys  # each attempt's tool call recorded once, under its key
+    charges = LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE)
+    assert sorted(charges.values_list("idempotency_key", flat=True)) == keys
+    assert invariants_check() == []
+
+
+def test_a_settlement_that_fails_leaves_the_command_unfinished_and_the_replay_completes_it(project, monkeypatch):
+    """The settlement commits with the command's success or neither does: the job's retry resumes the
+    same attempt by its key (no new attempt), and each step is charged once."""
+    from runs.services import steps
+
+    real, failures = steps._succeeded, []
+
+    def fail_once(run, attempt, step, output):
+        if not failures:
+            failures.append(attempt.idempotency_key)
+            raise OperationalError("the database went away mid-settlement")  # transient: the job retries
+        return real(run, attempt, step, output)
+
+    monkeypatch.setattr(steps, "_succeeded", fail_once)
+    run = services.run_create(project=project, name="path", plan=make_plan(steps=2))
+    services.run_start(run_id=run.pk)
+
+    def interrupted():
+        return bool(failures)
+
+    drain_jobs(until=interrupted, timeout=30)
+    record = CommandRecord.objects.get(idempotency_key=failures[0])
+    assert record.status == "recorded"  # the success rolled back with the settlement
+    assert StepAttempt.objects.get(idempotency_key=failures[0]).outcome == StepAttempt.Outcome.RUNNING
+    assert not LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE).exists()
+    drain_jobs(until=lambda: Run.objects.get(pk=run.pk).status == Run.Status.COMPLETED, timeout=30)
+    record.refresh_from_db()
+    assert (record.status, record.attempts) == ("succeeded", 2)
+    assert StepAttempt.objects.filter(run=run).count() == 2  # resumed by its key, not retried
+    keys = sorted(StepAttempt.objects.filter(run=run).values_list("idempotency_key", flat=True))
+    charges = LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE)
+    assert sorted(charges.values_list("idempotency_key", flat=True)) == keys
+    assert invariants_check() == []
+
+
+def test_a_batch_writes_its_rows_in_order_in_one_statement(django_assert_num_queries):
+    with outbox.run_atomic():
+        for n in range(3):
+            outbox.run_event_record(type=f"batched_{n}", organization_id=None, payload={"n": n})
+        assert not Event.objects.filter(type__startswith="batched_").exists()  # kept until the block ends
+        with django_assert_num_queries(1):
+            outbox.run_events_flush()
+        outbox.run_event_record(type="batched_3", organization_id=None)
+    assert list(Event.objects.filter(type__startswith="batched_").order_by("id").values_list("type", flat=True)) == [
+        "batched_0", "batched_1", "batched_2", "batched_3"]
+
+
+def test_a_nested_batch_that_fails_drops_its_rows_and_keeps_the_outer_ones():
+    with outbox.run_atomic():
+        outbox.run_event_record(type="outer_before", organization_id=None)
+        with pytest.raises(RuntimeError), outbox.run_atomic():
+            outbox.run_event_record(type="inner", organization_id=None)
+            outbox.run_events_flush()
+            outbox.run_event_record(type="inner_after_flush", organization_id=None)
+            raise RuntimeError("rolled back")
+        event_record(type="outer_foreign", organization_id=None)
+        outbox.run_event_record(type="outer_after", organization_id=None)
+    assert not Event.objects.filter(type__startswith="inner").exists()
+    assert list(Event.objects.filter(type__startswith="outer").order_by("id").values_list("type", flat=True)) == [
+        "outer_before", "outer_foreign", "outer_after"]
+
+
+def test_outside_a_batch_an_event_is_written_at_once():
+    with transaction.atomic():
+        outbox.run_event_record(type="alone", organization_id=None)
+        assert Event.objects.filter(type="alone").count() == 1
