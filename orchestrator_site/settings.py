@@ -168,6 +168,13 @@ if DATABASE_URL:
     else:
         DATABASES["default"]["CONN_MAX_AGE"] = DB_CONN_MAX_AGE
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    if DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
+        # The ORM's cursors bind on the client and are never prepared; the queue's hot statements
+        # (claim, completion: jobs.services) bind on the server and are prepared by psycopg once
+        # they ran this many times on a connection (0 or less: never).
+        _prepare_threshold = env_int("DB_PREPARE_THRESHOLD", 5)
+        DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = (
+            _prepare_threshold if _prepare_threshold > 0 else None)
 else:
     SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
     DATABASES = {

@@ -80,18 +80,7 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
     """
     if limit < 1:
         return []
-    now = now or timezone.now()
-    adapt = connection.ops.adapt_datetimefield_value
-    global_cap = settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
-    organization_cap = organization_max_executing()
-    params = {
-        "now": adapt(now), "touched": adapt(timezone.now()),
-        "aging": adapt(now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)),
-        "lease": adapt(now + timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)),
-        "burst": settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST, "worker": worker,
-        "global_cap": global_cap, "organization_cap": organization_cap,
-        "span": max(global_cap, organization_cap, 1), "batch": limit,
-    }
+    params = claim_params(worker=worker, limit=limit, now=now or timezone.now())
     with transaction.atomic():
         with _hot_cursor() as cursor:
             if connection.vendor == "postgresql":
@@ -115,6 +104,21 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
             if definition is not None:
                 _after_commit_hook(definition, "on_started", job)
     return claimed
+
+
+def claim_params(*, worker: str, limit: int, now) -> dict:
+    """The parameters of ``claim_sql``: the settings as they are now, the time, the worker."""
+    adapt = connection.ops.adapt_datetimefield_value
+    global_cap = settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
+    organization_cap = organization_max_executing()
+    return {
+        "now": adapt(now), "touched": adapt(timezone.now()),
+        "aging": adapt(now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)),
+        "lease": adapt(now + timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)),
+        "burst": settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST, "worker": worker,
+        "global_cap": global_cap, "organization_cap": organization_cap,
+        "span": max(global_cap, organization_cap, 1), "batch": limit,
+    }
 
 
 def _lanes_streak(claimed: list[Job]) -> None:
