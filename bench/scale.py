@@ -4,8 +4,9 @@
                                     [--sqlite] [--profile]
 
 Our side: PostgreSQL (a scratch database) and the Redis broker; each cluster runs 2 workers;
-``ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY`` is 4 in both cases (``--concurrency``), so the cap
-never binds. Every stack runs the same body, ``bench.counting.counted`` (one Redis round trip
+``ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY`` is 128 in both cases (``--concurrency``): every worker
+of 2 clusters with a full claim batch (``ORCHESTRATOR_QUEUE_CLAIM_BATCH``, 32; a claimed batch
+counts against the cap until its jobs end), so the cap never binds. Every stack runs the same body, ``bench.counting.counted`` (one Redis round trip
 that counts the execution per job id): in our queue as the ``bench_counted`` job type (``noop``'s
 definition, registered by the benchmarks' own settings ``bench/settings.py``), in bare django-q2
 (``async_task(..., save=False)``, nothing written to the database) and in Celery 5.7 (prefork
@@ -296,8 +297,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-bare", action="store_true", help="skip the bare django-q2 rows")
-    parser.add_argument("--concurrency", type=int, default=4,
-                        help="our ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY (default 4: every worker of 2 clusters)")
+    parser.add_argument("--concurrency", type=int, default=128,
+                        help="our ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY (default 128: every worker of 2 clusters "
+                             "holding a full claim batch of 32)")
     parser.add_argument("--latency-seconds", type=float, default=10,
                         help="length of the steady stream of the latency measure (0: skip it)")
     parser.add_argument("--stall-seconds", type=float, default=60,

@@ -30,15 +30,16 @@ from jobs.services.common import _job_columns
 
 # The key of the transaction-scoped advisory lock every claim takes on PostgreSQL.
 CLAIM_LOCK_KEY = zlib.crc32(b"orchestrator.jobs.claim")
-# Rows read from each claim order per statement: enough for a batch when a few lanes are busy.
-CANDIDATES = 64
+# Rows read (and locked) from each claim order per statement: twice the batch, at least this
+# many, enough for a batch when a few lanes are busy; a claim finding fewer takes fewer.
+CANDIDATES = 16
 
 _SQL: dict[tuple[str, int], str] = {}
 
 
 def claim_sql(limit: int) -> str:
     """The claim statement for this connection's vendor (``limit`` only widens the candidates)."""
-    candidates = max(CANDIDATES, 4 * limit)
+    candidates = max(CANDIDATES, 2 * limit)
     key = (connection.vendor, candidates)
     if key not in _SQL:
         _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked)
