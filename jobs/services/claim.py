@@ -15,7 +15,7 @@ from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
 from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql
-from jobs.services.common import _after_commit_hook, _hot_cursor, _jobs_from_rows, job_as_dict
+from jobs.services.common import _after_commit_hook, _hot_cursor, _jobs_from_rows, _trace_fields, job_as_dict
 
 
 def organization_max_executing() -> int:
@@ -99,7 +99,8 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
             # first attempt, awaiting_tool before any later one.
             before = JobState.QUEUED if job.attempts == 1 else JobState.AWAITING_TOOL
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
-                           attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="")
+                           attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="",
+                           **_trace_fields(job))
             definition = definition_get(job.type)
             if definition is not None:
                 _after_commit_hook(definition, "on_started", job)

@@ -186,5 +186,12 @@ def _jobs_from_rows(rows) -> list[Job]:
     return jobs
 
 
+def _trace_fields(job: Job) -> dict[str, str]:
+    """A batched transition's log line written outside the job's span: the trace id of the span
+    the job continues (its ``traceparent``'s), so the line joins the job's trace."""
+    parts = job.traceparent.split("-") if job.traceparent else []
+    return {"trace_id": parts[1]} if len(parts) == 4 else {}
+
+
 def _current(job: Job, attempt: int) -> bool:
     return job.state == JobState.EXECUTING and job.attempts == attempt

@@ -15,7 +15,7 @@ from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
 from jobs.services.common import (_after_commit_hook, _current, _hot_cursor, _job_columns, _jobs_from_rows, _move,
-                                  _wake, job_as_dict)
+                                  _trace_fields, _wake, job_as_dict)
 
 
 def job_progress(*, job_id: int, attempt: int, progress: dict) -> bool:
@@ -98,7 +98,7 @@ def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
         for job in completed:
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                            attempt=job.attempts, **{"from": JobState.EXECUTING, "to": JobState.COMPLETED},
-                           reason=JobReason.COMPLETED)
+                           reason=JobReason.COMPLETED, **_trace_fields(job))
             definition = definition_get(job.type)
             if definition is not None:
                 _after_commit_hook(definition, "on_completed", job)
