@@ -110,8 +110,7 @@ class Finished:
         return "completed"
 
 
-@traced_job
-def job_execute(job: Job, *, worker: str) -> str | Finished:
+def _job_execute(job: Job, *, worker: str) -> str | Finished:
     """Run a claimed job's code; a failure, cancellation or deadline is recorded at once (the
     outcome's name is returned), a result is returned as ``Finished`` for the caller to record."""
     definition = definition_get(job.type)
@@ -173,9 +172,17 @@ def job_execute(job: Job, *, worker: str) -> str | Finished:
     return Finished(job.pk, attempt, _jsonable(result))
 
 
+@traced_job
+def job_execute(job: Job, *, worker: str) -> str | Finished:
+    """``_job_execute`` in the job's span (a batch's results are recorded after it)."""
+    return _job_execute(job, worker=worker)
+
+
+@traced_job
 def job_run_claimed(job: Job, *, worker: str) -> str:
-    """Execute a job this worker has claimed and record its outcome; returns what happened to it."""
-    outcome = job_execute(job, worker=worker)
+    """Execute a job this worker has claimed and record its outcome, both in the job's span;
+    returns what happened to it."""
+    outcome = _job_execute(job, worker=worker)
     if not isinstance(outcome, Finished):
         return outcome
     applied = services.job_complete(job_id=outcome.job_id, attempt=outcome.attempt, result=outcome.result)
