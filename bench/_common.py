@@ -164,13 +164,17 @@ def counters_delta(before: dict, after: dict) -> dict:
     return {key: after[key] - before.get(key, 0) for key in after}
 
 
-def wait_workers(count: int, since, timeout: float = 120) -> None:
-    """Until ``count`` worker processes have written a heartbeat since ``since`` (they are up)."""
+def wait_workers(count: int, since, timeout: float = 120, cluster: str | None = None) -> None:
+    """Until ``count`` worker processes (of the django-q2 cluster named ``cluster``, if given) have
+    written a heartbeat since ``since`` (they are up)."""
     from django.db import connection
 
     from jobs.models import WorkerHeartbeat
 
-    wait_until(lambda: WorkerHeartbeat.objects.filter(last_seen__gte=since).count() >= count, timeout, 0.2)
+    beats = WorkerHeartbeat.objects.filter(last_seen__gte=since)
+    if cluster is not None:
+        beats = beats.filter(cluster=cluster)
+    wait_until(lambda: beats.count() >= count, timeout, 0.2)
     connection.close()
 
 

@@ -4,8 +4,9 @@
                                     [--sqlite] [--profile]
 
 Our side: PostgreSQL (a scratch database) and the Redis broker; each cluster runs 2 workers;
-``ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY`` is 4 in both cases (``--concurrency``), so the cap
-never binds. Every stack runs the same body, ``bench.counting.counted`` (one Redis round trip
+``ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY`` is 128 in both cases (``--concurrency``): every worker
+of 2 clusters with a full claim batch (``ORCHESTRATOR_QUEUE_CLAIM_BATCH``, 32; a claimed batch
+counts against the cap until its jobs end), so the cap never binds. Every stack runs the same body, ``bench.counting.counted`` (one Redis round trip
 that counts the execution per job id): in our queue as the ``bench_counted`` job type (``noop``'s
 definition, registered by the benchmarks' own settings ``bench/settings.py``), in bare django-q2
 (``async_task(..., save=False)``, nothing written to the database) and in Celery 5.7 (prefork
@@ -122,10 +123,15 @@ def _flush_redis() -> None:
     redis.Redis.from_url(REDIS_URL).flushdb()
 
 
-def _jobs_check(ids: list[int]) -> list[str]:
+def _jobs_check(ids: list[int], workers: set[str] | None = None) -> list[str]:
     from jobs.models import Job
 
     problems = []
+    if workers is not None:  # every job claimed by a worker of this measure (not a stray process on the database)
+        foreign = Job.objects.filter(pk__in=ids).exclude(worker__in=workers)
+        if foreign.exists():
+            problems.append(f"{foreign.count()} jobs claimed by processes outside the measure "
+                            f"(e.g. {sorted(set(foreign.values_list('worker', flat=True)[:100]))[:5]})")
     unfinished = Job.objects.filter(pk__in=ids).exclude(state="completed").count()
     if unfinished:
         problems.append(f"{unfinished} jobs not completed")
@@ -149,6 +155,18 @@ def _enqueue(n: int, project, total: int) -> list[int]:
         wake._send = send
 
 
+def _worker_ids(processes: list) -> set[str]:
+    """The worker ids (``host:pid``) of the clusters' processes and every process below them."""
+    import socket
+
+    from deploy.stack import descendants
+
+    pids = set()
+    for process in processes:
+        pids |= {process.pid, *descendants(process.pid)}
+    return {f"{socket.gethostname()}:{pid}" for pid in pids}
+
+
 def _start_clusters(clusters: int, env: dict, out: Path, label: str) -> list:
     from django.utils import timezone
 
@@ -156,7 +174,7 @@ def _start_clusters(clusters: int, env: dict, out: Path, label: str) -> list:
     processes = [start_process([sys.executable, "manage.py", "qcluster"], env, out / f"scale-{label}-{i}.log")
                  for i in range(clusters)]
     try:
-        wait_workers(2 * clusters, since)
+        wait_workers(2 * clusters, since, cluster=env["ORCHESTRATOR_Q_NAME"])
     except Exception:
         for process in processes:
             stop_process(process)
@@ -196,6 +214,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
             wake.wake_workers(2 * clusters, force=True)
             counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
             after = cpu_times()
+            workers = _worker_ids(processes)
             if spy:
                 stop_profile(spy)
             _wait(lambda: not Job.objects.filter(pk__in=ids).exclude(state="completed").exists(), window, STALL_S)
@@ -203,7 +222,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
             if spy:
                 stop_profile(spy)
     counts = window.close(n)
-    problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
+    problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids, workers)
     return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
                   counts["statements"], counts["counted_xact"], problems)
 
@@ -291,8 +310,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--no-bare", action="store_true", help="skip the bare django-q2 rows")
-    parser.add_argument("--concurrency", type=int, default=4,
-                        help="our ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY (default 4: every worker of 2 clusters)")
+    parser.add_argument("--concurrency", type=int, default=128,
+                        help="our ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY (default 128: every worker of 2 clusters "
+                             "holding a full claim batch of 32)")
     parser.add_argument("--latency-seconds", type=float, default=10,
                         help="length of the steady stream of the latency measure (0: skip it)")
     parser.add_argument("--stall-seconds", type=float, default=60,
@@ -311,7 +331,8 @@ def main() -> None:
     from bench._common import scratch_database
 
     env = scratch_database("sqlite" if args.sqlite else "postgres", name="orchestrator_bench_scale")
-    env.update({"ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": "bench-scale",
+    # A queue name of this run's own: a stray cluster left on the same broker never takes its messages.
+    env.update({"ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": f"bench-scale-{os.getpid()}",
                 "ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY": str(args.concurrency),
                 "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000",
                 "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500",

@@ -242,6 +242,12 @@ class JobLane(models.Model):
     interactive_streak = models.PositiveIntegerField(default=0)
     updated_at = models.DateTimeField(auto_now=True)
 
+    class Meta:
+        indexes = [
+            # The claim's aged jobs start from the lanes whose streak reached the burst (few).
+            models.Index(fields=["interactive_streak"], name="job_lane_streak_idx"),
+        ]
+
     def __str__(self) -> str:
         return self.key
 

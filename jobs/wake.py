@@ -1,14 +1,17 @@
 """django-q2 messages: each one means "a job may be ready"; the worker claims the best one.
 
 Within one process, wake messages are coalesced (at most one per ``WAKE_COALESCE_MS``): a
-worker drains many jobs per message, and the maintenance pump re-issues messages whenever
-eligible jobs wait with no message in the broker (lost messages, coalesced wakes, retries
-whose backoff has passed).
+worker drains many jobs per message. A wake asked for inside the window is not dropped: one
+message is sent when the window ends (a job enqueued just after a worker's drain found the
+queue empty waits at most the window, not the maintenance pump's interval). The pump still
+re-issues messages whenever eligible jobs wait with no message in the broker (lost messages,
+retries whose backoff has passed).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -19,6 +22,16 @@ logger = logging.getLogger("orchestrator.jobs")
 WAKE_COALESCE_MS = 20
 _lock = threading.Lock()
 _last_wake = 0.0
+_deferred: threading.Timer | None = None  # the message that ends the current window, if asked for
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _deferred
+    _lock = threading.Lock()
+    _deferred = None  # the parent's timer thread does not exist here
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _send(count: int) -> None:
@@ -30,12 +43,17 @@ def _send(count: int) -> None:
 
 def wake_workers(count: int = 1, *, force: bool = False) -> int:
     """Send up to ``count`` wake messages (coalesced unless ``force``). Returns how many were sent."""
-    global _last_wake
+    global _last_wake, _deferred
     if count <= 0:
         return 0
     now = time.monotonic()
     with _lock:
-        if not force and (now - _last_wake) * 1000 < WAKE_COALESCE_MS:
+        elapsed_ms = (now - _last_wake) * 1000
+        if not force and elapsed_ms < WAKE_COALESCE_MS:
+            if _deferred is None:
+                _deferred = threading.Timer((WAKE_COALESCE_MS - elapsed_ms) / 1000, _wake_deferred)
+                _deferred.daemon = True
+                _deferred.start()
             return 0
         _last_wake = now
     try:
@@ -44,6 +62,13 @@ def wake_workers(count: int = 1, *, force: bool = False) -> int:
         logger.exception("could not send a wake message")
         return 0
     return count
+
+
+def _wake_deferred() -> None:
+    global _deferred
+    with _lock:
+        _deferred = None
+    wake_workers(1, force=True)
 
 
 def broker_backlog() -> int:

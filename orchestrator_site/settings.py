@@ -168,6 +168,13 @@ if DATABASE_URL:
     else:
         DATABASES["default"]["CONN_MAX_AGE"] = DB_CONN_MAX_AGE
         DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+    if DATABASES["default"]["ENGINE"].startswith("django.db.backends.postgresql"):
+        # The ORM's cursors bind on the client and are never prepared; the queue's hot statements
+        # (claim, completion: jobs.services) bind on the server and are prepared by psycopg once
+        # they ran this many times on a connection (0 or less: never).
+        _prepare_threshold = env_int("DB_PREPARE_THRESHOLD", 5)
+        DATABASES["default"].setdefault("OPTIONS", {})["prepare_threshold"] = (
+            _prepare_threshold if _prepare_threshold > 0 else None)
 else:
     SQLITE_PATH.parent.mkdir(parents=True, exist_ok=True)
     DATABASES = {
@@ -330,6 +337,8 @@ ORCHESTRATOR_QUEUE_LEASE_S = env_int("ORCHESTRATOR_QUEUE_LEASE_S", 15)
 ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS = env_int("ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS", 1_000)
 ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS = env_int("ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS", 200)
 ORCHESTRATOR_QUEUE_DRAIN_MAX_S = env_int("ORCHESTRATOR_QUEUE_DRAIN_MAX_S", 10)
+# Jobs a worker claims in one statement at most (a batch counts against every cap while it runs).
+ORCHESTRATOR_QUEUE_CLAIM_BATCH = env_int("ORCHESTRATOR_QUEUE_CLAIM_BATCH", 32)
 ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS = env_int("ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS", 12_000)
 ORCHESTRATOR_WORKER_SESSION_STALE_S = env_int("ORCHESTRATOR_WORKER_SESSION_STALE_S", 3600)
 

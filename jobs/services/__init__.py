@@ -10,10 +10,11 @@ By concern:
   transition log, event), the row lock, the definition hooks run after commit, the wake-up;
   ``job_transition``.
 - ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe.
-- ``claim``: ``job_claim``, ``jobs_eligible``, ``jobs_claim_order`` (the claim SQL is built once
-  per process), lanes and concurrency slots.
-- ``outcomes``: ``job_progress``, ``job_complete``, ``job_fail_attempt`` (the retry decision), ``job_fail``,
-  ``job_retarget`` (an executing attempt moves on to new work).
+- ``claim``: ``jobs_claim`` (a batch in one statement, its SQL in ``claim_sql``, built once per
+  process), ``job_claim``, ``jobs_eligible``, ``jobs_claim_order``, lanes and concurrency slots.
+- ``outcomes``: ``job_progress``, ``job_complete``, ``jobs_complete`` (several in one statement),
+  ``job_fail_attempt`` (the retry decision), ``job_fail``, ``job_retarget`` (an executing attempt
+  moves on to new work), ``jobs_renew_leases`` (the claimed jobs a worker has not started yet).
 - ``cancellation``: ``job_cancel``, ``job_mark_cancelled``, ``job_cancel_requested``,
   ``jobs_enforce_interrupt_timeouts``.
 - ``pauses``: ``queue_pause``, ``queue_resume`` (the claim passes over a paused queue's jobs).
@@ -26,10 +27,18 @@ from jobs.services.cancellation import (
     job_mark_cancelled,
     jobs_enforce_interrupt_timeouts,
 )
-from jobs.services.claim import job_claim, jobs_claim_order, jobs_eligible, organization_max_executing
+from jobs.services.claim import job_claim, jobs_claim, jobs_claim_order, jobs_eligible, organization_max_executing
 from jobs.services.common import job_as_dict, job_transition
 from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
-from jobs.services.outcomes import job_complete, job_fail, job_fail_attempt, job_progress, job_retarget
+from jobs.services.outcomes import (
+    job_complete,
+    job_fail,
+    job_fail_attempt,
+    job_progress,
+    job_retarget,
+    jobs_complete,
+    jobs_renew_leases,
+)
 from jobs.services.pauses import queue_pause, queue_resume
 from jobs.services.recovery import job_renew_lease, job_requeue, jobs_enforce_deadlines, jobs_recover_expired
 
@@ -49,11 +58,14 @@ __all__ = [
     "job_requeue",
     "job_retarget",
     "job_transition",
+    "jobs_claim",
     "jobs_claim_order",
+    "jobs_complete",
     "jobs_eligible",
     "jobs_enforce_deadlines",
     "jobs_enforce_interrupt_timeouts",
     "jobs_recover_expired",
+    "jobs_renew_leases",
     "organization_max_executing",
     "organization_max_waiting",
     "queue_pause",

@@ -1,19 +1,24 @@
-"""Claiming: which jobs are eligible (lanes, organization caps), the claim order, the claim
-SQL built once per process, and the concurrency slots."""
+"""Claiming: which jobs are eligible (lanes, organization caps), the claim order, and the claim
+of a batch of jobs in one statement (``jobs_claim``; SQL built once per process in ``claim_sql``)."""
 
 from __future__ import annotations
 
-import random
+import logging
 from datetime import timedelta
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Count, Exists, F, OuterRef, Q, Subquery
+from django.db.models import Case, Count, Exists, F, OuterRef, Q, Subquery, Value, When
 from django.utils import timezone
 
+from core.services import events_record, transition_log
+from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
-from jobs.services.common import _after_commit_hook, _move
+from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql
+from jobs.services.common import _after_commit_hook, _hot_cursor, _jobs_from_rows, _trace_fields, job_as_dict
+
+logger = logging.getLogger("orchestrator.jobs")
 
 
 def organization_max_executing() -> int:
@@ -37,17 +42,6 @@ def jobs_eligible(now):
                                                       | Q(job_type=OuterRef("type"))))))
 
 
-def _free_slots() -> list[int]:
-    used = set(Job.objects.filter(state=JobState.EXECUTING).values_list("slot", flat=True))
-    return [slot for slot in range(settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY) if slot not in used]
-
-
-def _free_organization_slots(organization_id: int) -> list[int]:
-    used = set(Job.objects.filter(state=JobState.EXECUTING, organization_id=organization_id)
-               .values_list("organization_slot", flat=True))
-    return [slot for slot in range(organization_max_executing()) if slot not in used]
-
-
 def jobs_claim_order(now) -> tuple:
     """The claim order as querysets (the definition ``_pick`` follows): aged background jobs of a
     lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs in a row, oldest first; then every
@@ -61,97 +55,94 @@ def jobs_claim_order(now) -> tuple:
     return aged, eligible.order_by("priority", "class_rank", "id")
 
 
-_PICK_SQL: dict[tuple[str, bool], str] = {}
-
-
-def _pick_sql(*, aged: bool) -> str:
-    """``jobs_claim_order`` in SQL, built once per process: compiling the two ORM queries cost
-    the claim several times what the database spent running them (2.1 ms against 0.3 ms a pick)."""
-    key = (connection.vendor, aged)
-    if key not in _PICK_SQL:
-        qn = connection.ops.quote_name
-        job, lane, pause = qn(Job._meta.db_table), qn(JobLane._meta.db_table), qn(QueuePause._meta.db_table)
-        waiting = ", ".join(["%s"] * len(WAITING_JOB_STATES))
-        sql = (f"SELECT * FROM {job} WHERE {qn('state')} IN ({waiting})"
-               f" AND ({qn('not_before')} IS NULL OR {qn('not_before')} <= %s)"
-               f" AND NOT ({qn('lane')} IN (SELECT b.{qn('lane')} FROM {job} b"
-               f" WHERE b.{qn('state')} = %s AND NOT (b.{qn('lane')} = %s)))"
-               f" AND NOT ({qn('organization_id')} IN (SELECT o.{qn('organization_id')} FROM {job} o"
-               f" WHERE o.{qn('state')} = %s GROUP BY o.{qn('organization_id')} HAVING COUNT(*) >= %s))"
-               # a paused queue (its project's or its type's): passed over, its jobs keep their place
-               f" AND NOT EXISTS (SELECT 1 FROM {pause} p WHERE p.{qn('project_id')} = {job}.{qn('project_id')}"
-               f" OR p.{qn('job_type')} = {job}.{qn('type')})")
-        if aged:
-            sql += (f" AND {qn('lane')} IN (SELECT l.{qn('key')} FROM {lane} l WHERE l.{qn('interactive_streak')} >= %s)"
-                    f" AND {qn('priority_class')} = %s AND {qn('queued_at')} <= %s"
-                    f" ORDER BY {qn('queued_at')}, {qn('id')}")
-        else:
-            sql += f" ORDER BY {qn('priority')}, {qn('class_rank')}, {qn('id')}"
-        sql += " LIMIT 1"
-        if connection.features.has_select_for_update_skip_locked:
-            sql += " FOR UPDATE SKIP LOCKED"
-        _PICK_SQL[key] = sql
-    return _PICK_SQL[key]
-
-
-def _pick(now) -> Job | None:
-    """The first job of ``jobs_claim_order``, locked (``SKIP LOCKED``: another worker's pick is passed over)."""
-    adapt = connection.ops.adapt_datetimefield_value
-    eligible = [*sorted(state.value for state in WAITING_JOB_STATES), adapt(now), JobState.EXECUTING.value, "",
-                JobState.EXECUTING.value, organization_max_executing()]
-    aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
-    aged = [*eligible, settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST, PriorityClass.BACKGROUND.value, adapt(aging)]
-    for sql, params in ((_pick_sql(aged=True), aged), (_pick_sql(aged=False), eligible)):
-        found = list(Job.objects.raw(sql, params))
-        if found:
-            return found[0]
-    return None
-
-
 def job_claim(*, worker: str, now=None) -> Job | None:
-    """Claim the best eligible job for ``worker`` (``SELECT ... FOR UPDATE SKIP LOCKED``).
+    """Claim the best eligible job for ``worker``: ``jobs_claim`` with a batch of one."""
+    claimed = jobs_claim(worker=worker, limit=1, now=now)
+    return claimed[0] if claimed else None
+
+
+def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
+    """Claim up to ``limit`` eligible jobs for ``worker`` in one statement, in claim order.
 
     Order: aged background jobs of a lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs
-    in a row first, then lower ``priority``, interactive before background, FIFO. A job is
-    eligible when waiting, past ``not_before``, its queue not paused (``queue_pause``: neither its
-    project's nor its type's), its lane idle, a concurrency slot free and its
+    in a row first (oldest first), then lower ``priority``, interactive before background, FIFO.
+    A job is eligible when waiting, past ``not_before``, its queue not paused (``queue_pause``:
+    neither its project's nor its type's), its lane idle, a concurrency slot free and its
     organization below its cap of executing jobs (``organization_max_executing``; an organization
     at its cap is passed over: its jobs stay queued and another organization's take the slot).
-    The lane, slot and organization-slot limits are unique constraints, so a lost race is
-    retried, never doubled.
+    Within the batch too: at most one job per lane, at most the free global slots and each
+    organization's free slots. Claimed jobs count against every cap until they end.
+
+    The statement assigns the slots itself (the lowest free ones, in claim order) under a
+    transaction-scoped lock that every claim takes first (PostgreSQL: an advisory lock; SQLite:
+    its single writer), so concurrent claims, from any process or machine, never pick the same
+    slot and never retry; the unique constraints over executing rows (lane, slot, organization
+    slot) stay as the last guard. Rows another transaction holds are passed over (``SKIP
+    LOCKED``). Each claimed job gets its event, its transition log line and its ``on_started``
+    hook (after commit); the lanes' interactive streaks are updated in one statement.
     """
-    for _ in range(8):
-        now = now or timezone.now()
-        slots = _free_slots()
-        if not slots:
-            return None
-        try:
-            with transaction.atomic():
-                job = _pick(now)
-                if job is None:
-                    return None
-                organization_slots = _free_organization_slots(job.organization_id)
-                if not organization_slots:  # the organization reached its cap since the pick: look again
-                    now = None
-                    continue
-                job.attempts += 1
-                job.slot = random.choice(slots)
-                job.organization_slot = random.choice(organization_slots)
-                job.worker = worker
-                job.not_before = None
-                job.started_at = job.started_at or now
-                job.lease_expires_at = now + timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)
-                _move(job, JobState.EXECUTING)
-                if job.lane:
-                    if job.priority_class == PriorityClass.INTERACTIVE:
-                        JobLane.objects.filter(key=job.lane).update(interactive_streak=F("interactive_streak") + 1)
-                    else:
-                        JobLane.objects.filter(key=job.lane).update(interactive_streak=0)
-                definition = definition_get(job.type)
-                if definition is not None:
-                    _after_commit_hook(definition, "on_started", job)
-                return job
-        except IntegrityError:
-            now = None
-            continue
-    return None
+    if limit < 1:
+        return []
+    params = claim_params(worker=worker, limit=limit, now=now or timezone.now())
+    try:
+        return _claim(limit, params)
+    except IntegrityError:
+        # Only a claimer outside the claim lock (a worker of an older release during a rolling
+        # deploy) can take a slot this statement chose: nothing was claimed; the next look, or
+        # the maintenance pump, claims again.
+        logger.warning("claim passed: a concurrent claim outside the claim lock took a slot")
+        return []
+
+
+def _claim(limit: int, params: dict) -> list[Job]:
+    with transaction.atomic():
+        with _hot_cursor() as cursor:
+            if connection.vendor == "postgresql":
+                cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CLAIM_LOCK_KEY])
+            cursor.execute(claim_sql(limit), params)
+            claimed = _jobs_from_rows(cursor.fetchall())
+        if not claimed:
+            return []
+        claimed.sort(key=lambda job: job.slot)  # slots were handed out in claim order
+        _lanes_streak(claimed)
+        events_record([{"type": JOB_STATE_EVENTS[JobState.EXECUTING], "organization_id": job.organization_id,
+                        "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
+                       for job in claimed])
+        for job in claimed:
+            # No way leads back to queued (seed 000's matrix): a job waited queued before its
+            # first attempt, awaiting_tool before any later one.
+            before = JobState.QUEUED if job.attempts == 1 else JobState.AWAITING_TOOL
+            transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
+                           attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="",
+                           **_trace_fields(job))
+            definition = definition_get(job.type)
+            if definition is not None:
+                _after_commit_hook(definition, "on_started", job)
+    return claimed
+
+
+def claim_params(*, worker: str, limit: int, now) -> dict:
+    """The parameters of ``claim_sql``: the settings as they are now, the time, the worker."""
+    adapt = connection.ops.adapt_datetimefield_value
+    global_cap = settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY
+    organization_cap = organization_max_executing()
+    return {
+        "now": adapt(now), "touched": adapt(timezone.now()),
+        "aging": adapt(now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)),
+        "lease": adapt(now + timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)),
+        "burst": settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST, "worker": worker,
+        "global_cap": global_cap, "organization_cap": organization_cap,
+        "span": max(global_cap, organization_cap, 1), "batch": limit,
+    }
+
+
+def _lanes_streak(claimed: list[Job]) -> None:
+    """The aging guard's count: an interactive job started on a lane adds one to its streak, a
+    background job resets it (a batch holds at most one job per lane)."""
+    lanes = {job.lane: job.priority_class == PriorityClass.INTERACTIVE for job in claimed if job.lane}
+    if not lanes:
+        return
+    interactive = [lane for lane, flag in lanes.items() if flag]
+    JobLane.objects.filter(key__in=list(lanes)).update(
+        interactive_streak=Case(When(key__in=interactive, then=F("interactive_streak") + 1), default=Value(0)),
+        updated_at=timezone.now())

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 from django_fsm import can_proceed
 
@@ -114,6 +114,62 @@ def _wake() -> None:
     from jobs.wake import wake_workers
 
     wake_workers()
+
+
+def _hot_cursor():
+    """A cursor for the queue's hot statements (raw SQL built once per process). On PostgreSQL it
+    binds parameters on the server, so psycopg prepares a statement once it ran
+    ``prepare_threshold`` times on the connection (parsed and planned once, not per call); it
+    goes through Django's cursor wrapper all the same (execute wrappers, query logging)."""
+    connection.ensure_connection()
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    return connection._prepare_cursor(ServerBindingCursor(connection.connection))
+
+
+_JOB_COLUMNS: dict[str, tuple] = {}
+
+
+def _job_columns() -> tuple[str, list]:
+    """``RETURNING`` columns of a job row (qualified by the table) and their converters."""
+    if connection.vendor not in _JOB_COLUMNS:
+        table = Job._meta.db_table
+        qn = connection.ops.quote_name
+        fields = Job._meta.concrete_fields
+        columns = ", ".join(f"{qn(table)}.{qn(field.column)}" for field in fields)
+        converters = []
+        for index, field in enumerate(fields):
+            expression = field.get_col(table)
+            found = connection.ops.get_db_converters(expression) + expression.get_db_converters(connection)
+            if found:
+                converters.append((index, expression, found))
+        _JOB_COLUMNS[connection.vendor] = (columns, converters)
+    return _JOB_COLUMNS[connection.vendor]
+
+
+def _jobs_from_rows(rows) -> list[Job]:
+    """Job instances from rows of ``_job_columns()`` (the database's values converted as the ORM does)."""
+    _, converters = _job_columns()
+    names = [field.attname for field in Job._meta.concrete_fields]
+    jobs = []
+    for row in rows:
+        values = list(row[:len(names)])
+        for index, expression, functions in converters:
+            value = values[index]
+            for function in functions:
+                value = function(value, expression, connection)
+            values[index] = value
+        jobs.append(Job.from_db(connection.alias, names, values))
+    return jobs
+
+
+def _trace_fields(job: Job) -> dict[str, str]:
+    """A batched transition's log line written outside the job's span: the trace id of the span
+    the job continues (its ``traceparent``'s), so the line joins the job's trace."""
+    parts = job.traceparent.split("-") if job.traceparent else []
+    return {"trace_id": parts[1]} if len(parts) == 4 else {}
 
 
 def _current(job: Job, attempt: int) -> bool:

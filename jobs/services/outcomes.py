@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
-from core.services import audit_record, row_lock
+from core.services import audit_record, events_record, row_lock, transition_log
+from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import _after_commit_hook, _current, _move, _wake
+from jobs.services.common import (_after_commit_hook, _current, _hot_cursor, _job_columns, _jobs_from_rows, _move,
+                                  _trace_fields, _wake, job_as_dict)
 
 
 def job_progress(*, job_id: int, attempt: int, progress: dict) -> bool:
@@ -40,6 +43,66 @@ def job_complete(*, job_id: int, attempt: int, result: Any = None, reason: str =
         if definition is not None:
             _after_commit_hook(definition, "on_completed", job)
         return True
+
+
+_COMPLETE_SQL: dict[str, str] = {}
+
+
+def _complete_sql() -> str:
+    """``jobs_complete``'s statement, one text for any number of jobs (built once per process)."""
+    if connection.vendor not in _COMPLETE_SQL:
+        qn = connection.ops.quote_name
+        job = qn(Job._meta.db_table)
+        columns, _ = _job_columns()
+        if connection.vendor == "postgresql":
+            source = ("unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(results)s::text[])"
+                      " AS v(id, attempt, result)")
+            id_, attempt, result = "v.id", "v.attempt", "v.result::jsonb"
+        else:  # one JSON array of [id, attempt, result as JSON text or null]
+            source = "json_each(%(rows)s) AS v"
+            id_, attempt, result = "json_extract(v.value, '$[0]')", "json_extract(v.value, '$[1]')", \
+                "json_extract(v.value, '$[2]')"
+        _COMPLETE_SQL[connection.vendor] = (
+            f"UPDATE {job} SET state = '{JobState.COMPLETED}', reason = '{JobReason.COMPLETED}', result = {result},"
+            " error = '', completed_at = %(now)s, active_dedupe_key = NULL, slot = NULL, organization_slot = NULL,"
+            f" lease_expires_at = NULL, updated_at = %(now)s FROM {source}"
+            f" WHERE {job}.id = {id_} AND {job}.state = '{JobState.EXECUTING}' AND {job}.attempts = {attempt}"
+            f" RETURNING {columns}")
+    return _COMPLETE_SQL[connection.vendor]
+
+
+def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
+    """Several attempts' executing → completed with their results, ``(job_id, attempt, result)``
+    each, in one statement; returns the ids completed. An attempt that is no longer current
+    (cancelled, recovered, finished meanwhile) is discarded, as ``job_complete`` discards it.
+    Events are written in one statement, one transition log line and ``on_completed`` hook
+    (after commit) per job."""
+    if not results:
+        return set()
+    now = connection.ops.adapt_datetimefield_value(timezone.now())
+    texts = [None if result is None else json.dumps(result) for _, _, result in results]
+    if connection.vendor == "postgresql":
+        params = {"ids": [job_id for job_id, _, _ in results], "attempts": [attempt for _, attempt, _ in results],
+                  "results": texts, "now": now}
+    else:
+        params = {"rows": json.dumps([[job_id, attempt, text] for (job_id, attempt, _), text in zip(results, texts)]),
+                  "now": now}
+    order = {job_id: index for index, (job_id, _, _) in enumerate(results)}
+    with transaction.atomic():
+        with _hot_cursor() as cursor:
+            cursor.execute(_complete_sql(), params)
+            completed = sorted(_jobs_from_rows(cursor.fetchall()), key=lambda job: order[job.pk])
+        events_record([{"type": JOB_STATE_EVENTS[JobState.COMPLETED], "organization_id": job.organization_id,
+                        "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
+                       for job in completed])
+        for job in completed:
+            transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
+                           attempt=job.attempts, **{"from": JobState.EXECUTING, "to": JobState.COMPLETED},
+                           reason=JobReason.COMPLETED, **_trace_fields(job))
+            definition = definition_get(job.type)
+            if definition is not None:
+                _after_commit_hook(definition, "on_completed", job)
+    return {job.pk for job in completed}
 
 
 def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, reason: str = "") -> str:
@@ -116,3 +179,16 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     except IntegrityError:
         return False
     return updated == 1
+
+
+def jobs_renew_leases(*, attempts: dict[int, int], worker: str) -> set[int]:
+    """Push forward the leases of claimed attempts ``{job_id: attempt}`` that ``worker`` still
+    holds (executing, that attempt); returns their ids. A batch's jobs wait their turn with it."""
+    held = Job.objects.filter(pk__in=list(attempts), state=JobState.EXECUTING, worker=worker)
+    with transaction.atomic():
+        rows = [(job_id, attempt) for job_id, attempt in held.select_for_update().values_list("pk", "attempts")
+                if attempts.get(job_id) == attempt]
+        Job.objects.filter(pk__in=[job_id for job_id, _ in rows]).update(
+            lease_expires_at=timezone.now() + timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S),
+            updated_at=timezone.now())
+    return {job_id for job_id, _ in rows}

@@ -1,0 +1,107 @@
+"""The batch claim statement, built once per process and database vendor.
+
+One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``):
+
+1. ``aged`` and ``fresh``: the first ``CANDIDATES`` eligible jobs in each of the two claim
+   orders (aged background jobs of a saturated lane, oldest first; every eligible job by
+   priority, class, FIFO), each an index scan with ``LIMIT`` and, on PostgreSQL, ``FOR UPDATE
+   SKIP LOCKED`` (a row another transaction holds is passed over);
+2. ``ranked``: one claim order over both lists (aged first; a job in both keeps its first place);
+3. ``lanes``: the first job of each lane (jobs without a lane each stand alone);
+4. ``in_organization`` and ``organization_free``: the n-th job of an organization gets the
+   organization's n-th free slot (none free: the job stays queued);
+5. ``chosen``: the n-th remaining job gets the n-th free global slot, at most ``batch`` jobs.
+
+Slots are handed out in claim order (the lowest first), so ordering the claimed rows by slot
+gives the claim order back. Every constant of the statement (the waiting states, the number of
+candidates) is written into its text, so the partial claim index matches a generic plan too
+(PostgreSQL plans a prepared statement generically after five executions); the settings (caps,
+burst, lease) are parameters, because they may change while the process runs.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+from django.db import connection
+
+from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
+from jobs.services.common import _job_columns
+
+# The key of the transaction-scoped advisory lock every claim takes on PostgreSQL.
+CLAIM_LOCK_KEY = zlib.crc32(b"orchestrator.jobs.claim")
+# Rows read (and locked) from each claim order per statement: twice the batch, at least this
+# many, enough for a batch when a few lanes are busy; a claim finding fewer takes fewer.
+CANDIDATES = 16
+
+_SQL: dict[tuple[str, int], str] = {}
+
+
+def claim_sql(limit: int) -> str:
+    """The claim statement for this connection's vendor (``limit`` only widens the candidates)."""
+    candidates = max(CANDIDATES, 2 * limit)
+    key = (connection.vendor, candidates)
+    if key not in _SQL:
+        _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked)
+    return _SQL[key]
+
+
+def _literal(value: str) -> str:
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _build(candidates: int, *, skip_locked: bool) -> str:
+    qn = connection.ops.quote_name
+    job, lane, pause = qn(Job._meta.db_table), qn(JobLane._meta.db_table), qn(QueuePause._meta.db_table)
+    waiting = ", ".join(_literal(state) for state in sorted(WAITING_JOB_STATES))
+    executing = _literal(JobState.EXECUTING)
+    lock = " FOR UPDATE OF j SKIP LOCKED" if skip_locked else ""
+    eligible = (
+        f"j.state IN ({waiting})"
+        " AND (j.not_before IS NULL OR j.not_before <= %(now)s)"
+        f" AND NOT (j.lane IN (SELECT b.lane FROM {job} b WHERE b.state = {executing} AND b.lane <> ''))"
+        f" AND NOT (j.organization_id IN (SELECT o.organization_id FROM {job} o WHERE o.state = {executing}"
+        " GROUP BY o.organization_id HAVING COUNT(*) >= %(organization_cap)s))"
+        # a paused queue (its project's or its type's): passed over, its jobs keep their place. Two
+        # hashed filters, not an anti-join: the planner keeps walking the claim index in order.
+        f" AND NOT (j.project_id IN (SELECT p.project_id FROM {pause} p WHERE p.project_id IS NOT NULL))"
+        f" AND NOT (j.type IN (SELECT p.job_type FROM {pause} p WHERE p.job_type <> ''))"
+    )
+    columns, _ = _job_columns()
+    return (
+        "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series WHERE s + 1 < %(span)s),"
+        # from the saturated lanes (few; their index) to their waiting jobs (the lane index)
+        f" aged AS (SELECT j.id, j.lane, j.organization_id, j.queued_at FROM {lane} l"
+        f" JOIN {job} j ON j.lane = l.{qn('key')} WHERE l.interactive_streak >= %(burst)s AND {eligible}"
+        f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
+        f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
+        f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.priority, j.class_rank FROM {job} j WHERE {eligible}"
+        f" ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates}{lock}),"
+        " candidates AS (SELECT id, lane, organization_id, 0 AS grp,"
+        " ROW_NUMBER() OVER (ORDER BY queued_at, id) AS pos FROM aged"
+        " UNION ALL SELECT id, lane, organization_id, 1 AS grp,"
+        " ROW_NUMBER() OVER (ORDER BY priority, class_rank, id) AS pos FROM fresh),"
+        " ranked AS (SELECT id, lane, organization_id, ROW_NUMBER() OVER (ORDER BY grp, pos) AS claim_rank,"
+        " ROW_NUMBER() OVER (PARTITION BY id ORDER BY grp, pos) AS copy FROM candidates),"
+        " lanes AS (SELECT id, organization_id, claim_rank, ROW_NUMBER() OVER (PARTITION BY lane,"
+        " CASE WHEN lane = '' THEN id ELSE 0 END ORDER BY claim_rank) AS in_lane FROM ranked WHERE copy = 1),"
+        " in_organization AS (SELECT id, organization_id, claim_rank,"
+        " ROW_NUMBER() OVER (PARTITION BY organization_id ORDER BY claim_rank) AS n FROM lanes WHERE in_lane = 1),"
+        " organization_free AS (SELECT o.organization_id, s.s AS organization_slot,"
+        " ROW_NUMBER() OVER (PARTITION BY o.organization_id ORDER BY s.s) AS n"
+        " FROM (SELECT DISTINCT organization_id FROM in_organization) o CROSS JOIN series s"
+        f" WHERE s.s < %(organization_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
+        " AND e.organization_id = o.organization_id AND e.organization_slot = s.s)),"
+        " organization_ok AS (SELECT c.id, f.organization_slot, ROW_NUMBER() OVER (ORDER BY c.claim_rank) AS n"
+        " FROM in_organization c JOIN organization_free f"
+        " ON f.organization_id = c.organization_id AND f.n = c.n),"
+        " free AS (SELECT s.s AS slot, ROW_NUMBER() OVER (ORDER BY s.s) AS n FROM series s"
+        f" WHERE s.s < %(global_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
+        " AND e.slot = s.s)),"
+        " chosen AS (SELECT c.id, c.organization_slot, f.slot FROM organization_ok c JOIN free f ON f.n = c.n"
+        " WHERE c.n <= %(batch)s)"
+        f" UPDATE {job} SET state = {executing}, reason = '', attempts = attempts + 1, slot = chosen.slot,"
+        " organization_slot = chosen.organization_slot, worker = %(worker)s, not_before = NULL,"
+        " started_at = COALESCE(started_at, %(now)s), lease_expires_at = %(lease)s, updated_at = %(touched)s"
+        f" FROM chosen WHERE {job}.id = chosen.id RETURNING {columns}"
+    )

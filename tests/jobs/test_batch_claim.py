@@ -1,0 +1,281 @@
+"""The batch claim and the batched completion: one statement claims several jobs within every
+cap, lane and order rule; one statement completes several results and discards stale ones; the
+claim's plan stays an index scan once PostgreSQL caches it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+
+from core.models import Event
+from jobs.events import JOB_COMPLETED, JOB_STARTED
+from jobs.executor import jobs_run_claimed
+from jobs.models import Job, JobState
+from jobs.services import job_claim, job_complete, job_enqueue, jobs_claim, jobs_complete, queue_pause
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def types(define_job):
+    define_job(type="bg", run=lambda ctx, p: {"echo": p.get("n")}, priority_class="background",
+               lane=lambda p, pid: p.get("lane", ""))
+    define_job(type="fg", run=lambda ctx, p: {"echo": p.get("n")}, priority_class="interactive",
+               lane=lambda p, pid: p.get("lane", ""))
+
+
+def enqueue(project, job_type="bg", *, priority=None, **payload):
+    return job_enqueue(job_type=job_type, project=project, payload=payload, priority=priority).job
+
+
+def test_a_batch_is_claimed_in_claim_order_priority_then_class_then_fifo(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    late_urgent = None
+    background = [enqueue(project, "bg", n=n) for n in range(3)]
+    interactive = enqueue(project, "fg", n=9)
+    late_urgent = enqueue(project, "bg", priority=10, n=10)
+    claimed = jobs_claim(worker="w1", limit=10)
+    assert [job.pk for job in claimed] == [late_urgent.pk, interactive.pk, *[job.pk for job in background]]
+    assert [job.slot for job in claimed] == [0, 1, 2, 3, 4]  # the lowest free slots, in claim order
+    assert all(job.state == JobState.EXECUTING and job.attempts == 1 and job.worker == "w1" for job in claimed)
+    assert Event.objects.filter(type=JOB_STARTED).count() == 5  # an event per claimed job
+
+
+def test_a_batch_takes_one_job_per_lane_and_none_of_a_busy_lane(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    busy = enqueue(project, lane="busy")
+    assert job_claim(worker="w0").pk == busy.pk
+    enqueue(project, lane="busy")
+    a1, a2 = enqueue(project, lane="a"), enqueue(project, lane="a")
+    b1 = enqueue(project, lane="b")
+    free = enqueue(project)
+    claimed = jobs_claim(worker="w1", limit=10)
+    assert [job.pk for job in claimed] == [a1.pk, b1.pk, free.pk]
+    assert Job.objects.get(pk=a2.pk).state == JobState.QUEUED
+
+
+def test_a_batch_never_exceeds_the_global_or_the_organization_cap(org_factory, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 5
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING = 2
+    _, flood, _ = org_factory()
+    _, quiet, _ = org_factory()
+    for n in range(6):
+        enqueue(flood, n=n)
+    quiet_jobs = [enqueue(quiet, n=n) for n in range(6)]
+    first = jobs_claim(worker="w1", limit=16)
+    assert len(first) == 4  # two of each organization (their cap), though 5 global slots are free
+    assert sorted(job.organization_slot for job in first if job.project_id == flood.pk) == [0, 1]
+    assert Job.objects.filter(state=JobState.EXECUTING).count() == 4
+    job_complete(job_id=first[0].pk, attempt=1)
+    second = jobs_claim(worker="w2", limit=16)
+    assert len(second) == 1 and second[0].project_id == first[0].project_id  # the freed slot, refilled
+    assert Job.objects.filter(state=JobState.EXECUTING).count() == 4
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING = 10
+    third = jobs_claim(worker="w3", limit=16)
+    assert len(third) == 1  # now the global cap binds: 5 executing
+    assert Job.objects.filter(state=JobState.EXECUTING).count() == 5
+    assert sorted(Job.objects.filter(state=JobState.EXECUTING).values_list("slot", flat=True)) == [0, 1, 2, 3, 4]
+    assert quiet_jobs
+
+
+def test_aged_background_jobs_of_a_saturated_lane_lead_the_batch(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = 0
+    settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST = 1
+    enqueue(project, "fg", lane="chat")
+    done = job_claim(worker="w1")
+    assert job_complete(job_id=done.pk, attempt=1)  # the lane ran its burst of one interactive job
+    other = enqueue(project, "fg", priority=1, lane="other")
+    aged = enqueue(project, "bg", lane="chat")
+    enqueue(project, "fg", lane="chat")
+    claimed = jobs_claim(worker="w1", limit=10)
+    assert [job.pk for job in claimed] == [aged.pk, other.pk]  # aged first, then the claim order
+
+
+def test_paused_and_delayed_jobs_stay_out_of_a_batch(project, types, settings, operator):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    ready = enqueue(project)
+    job_enqueue(job_type="bg", project=project, payload={}, not_before=timezone.now() + timedelta(hours=1))
+    define_paused = enqueue(project, "fg")
+    queue_pause(job_type="fg", actor=operator, reason="maintenance")
+    assert [job.pk for job in jobs_claim(worker="w1", limit=10)] == [ready.pk]
+    assert Job.objects.get(pk=define_paused.pk).state == JobState.QUEUED
+
+
+def test_batched_completion_discards_a_stale_attempt(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    jobs = [enqueue(project, n=n) for n in range(3)]
+    claimed = jobs_claim(worker="w1", limit=3)
+    with CaptureQueriesContext(connection) as queries:
+        done = jobs_complete(results=[(claimed[0].pk, 1, {"ok": 0}), (claimed[1].pk, 2, {"stale": True}),
+                                      (claimed[2].pk, 1, None)])
+    assert done == {claimed[0].pk, claimed[2].pk}
+    updates = [q for q in queries.captured_queries if q["sql"].lstrip().upper().startswith("UPDATE")]
+    assert len(updates) == 1  # one statement for the three
+    rows = {job.pk: job for job in Job.objects.filter(pk__in=[job.pk for job in jobs])}
+    assert (rows[claimed[0].pk].state, rows[claimed[0].pk].result, rows[claimed[0].pk].slot) == \
+        (JobState.COMPLETED, {"ok": 0}, None)
+    assert (rows[claimed[1].pk].state, rows[claimed[1].pk].result) == (JobState.EXECUTING, None)  # untouched
+    assert (rows[claimed[2].pk].state, rows[claimed[2].pk].result) == (JobState.COMPLETED, None)
+    assert rows[claimed[0].pk].completed_at is not None and rows[claimed[0].pk].reason == "completed"
+    events = list(Event.objects.filter(type=JOB_COMPLETED).order_by("id").values_list("payload", flat=True))
+    assert [event["jobId"] for event in events] == [claimed[0].pk, claimed[2].pk]
+    assert jobs_complete(results=[(claimed[0].pk, 1, {"again": True})]) == set()  # finished: discarded
+    assert Job.objects.get(pk=claimed[0].pk).result == {"ok": 0}
+
+
+def test_a_claimed_batch_runs_in_order_and_completes_together(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    jobs = [enqueue(project, n=n) for n in range(4)]
+    claimed = jobs_claim(worker="w1", limit=4)
+    assert jobs_run_claimed(claimed, worker="w1") == ["completed"] * 4
+    assert [Job.objects.get(pk=job.pk).result for job in jobs] == [{"echo": n} for n in range(4)]
+    assert not Job.objects.filter(state=JobState.EXECUTING).exists()
+
+
+def test_a_batch_job_recovered_while_it_waited_its_turn_is_not_run(project, types, settings, monkeypatch):
+    """A batch's later jobs get their leases renewed when their turn comes late; one this worker
+    lost meanwhile (recovered by another) is not run by it."""
+    from jobs import executor
+    from jobs.services import job_requeue
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    ran: list[int] = []
+    first, second = enqueue(project, n=1), enqueue(project, n=2)
+    claimed = jobs_claim(worker="w1", limit=2)
+    settings.ORCHESTRATOR_QUEUE_LEASE_S = 0  # every turn counts as late
+    original = executor.job_execute
+
+    def execute(job, *, worker):
+        ran.append(job.pk)
+        if job.pk == first.pk:
+            job_requeue(job_id=second.pk)  # the second's lease was taken over meanwhile
+        return original(job, worker=worker)
+
+    monkeypatch.setattr(executor, "job_execute", execute)
+    assert jobs_run_claimed(claimed, worker="w1") == ["completed", "discarded"]
+    assert ran == [first.pk]
+    assert Job.objects.get(pk=second.pk).state == JobState.AWAITING_TOOL
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_racing_batch_claims_never_exceed_a_cap_or_run_two_jobs_of_a_lane(org_factory, types, settings):
+    """Six threads, each with its own connection, claim batches at once, round after round: the
+    executing jobs never exceed the global cap or an organization's cap, never hold two jobs of a
+    lane, no job is claimed twice and no claim fails."""
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 7
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING = 4
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 1000
+    projects = [org_factory()[1] for _ in range(2)]
+    for n in range(60):
+        enqueue(projects[n % 2], "fg" if n % 3 else "bg", lane=f"lane-{n % 5}" if n % 4 else "", n=n)
+    threads = 6
+    errors: list[BaseException] = []
+    seen: list[int] = []
+    lock = threading.Lock()
+    while Job.objects.filter(state__in=[JobState.QUEUED]).exists():
+        barrier = threading.Barrier(threads)
+        claimed: list[Job] = []
+
+        def claim(index: int) -> None:
+            try:
+                connection.ensure_connection()
+                barrier.wait(timeout=30)
+                batch = jobs_claim(worker=f"w{index}", limit=3)
+                with lock:
+                    claimed.extend(batch)
+            except BaseException as exc:  # noqa: BLE001 - asserted below
+                errors.append(exc)
+            finally:
+                connection.close()
+
+        workers = [threading.Thread(target=claim, args=(i,), daemon=True) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert not any(worker.is_alive() for worker in workers), "a claim hung"
+        assert errors == []
+        executing = list(Job.objects.filter(state=JobState.EXECUTING).values("lane", "organization_id", "slot"))
+        assert 0 < len(executing) <= 7
+        lanes = [row["lane"] for row in executing if row["lane"]]
+        assert len(lanes) == len(set(lanes))
+        for organization in {row["organization_id"] for row in executing}:
+            assert sum(row["organization_id"] == organization for row in executing) <= 4
+        assert len({row["slot"] for row in executing}) == len(executing)
+        seen.extend(job.pk for job in claimed)
+        assert jobs_complete(results=[(job.pk, job.attempts, None) for job in claimed]) == {j.pk for j in claimed}
+    assert len(seen) == len(set(seen)) == 60
+    assert not Job.objects.exclude(state=JobState.COMPLETED).exists()
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, types, settings):
+    """The claim statement is prepared by the driver after a few executions and PostgreSQL then
+    may switch to a generic plan: executed many times on an empty table first, the plan it uses
+    once the table holds thousands of waiting jobs must still read the claim index, not sort the
+    table."""
+    from django.utils import timezone
+
+    from jobs.models import JobLane
+    from jobs.services.claim_sql import claim_sql
+    from jobs.services.common import _hot_cursor
+
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 100_000
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
+    for _ in range(12):
+        assert jobs_claim(worker="w1", limit=4) == []  # empty table: prepared, maybe generic
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s", ["%WITH RECURSIVE%"])
+        assert cursor.fetchone()[0] >= 1  # the driver prepared the claim
+    Job.objects.bulk_create([Job(type="bg", organization_id=project.organization_id, project=project,
+                                 state=JobState.QUEUED, payload={}, lane=f"lane-{n % 500}" if n % 2 else "",
+                                 queued_at=timezone.now()) for n in range(5000)])
+    JobLane.objects.bulk_create([JobLane(key=f"lane-{n}", interactive_streak=5 if n < 3 else 0) for n in range(500)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_job")
+        cursor.execute("ANALYZE jobs_joblane")
+    for _ in range(6):
+        claimed = jobs_claim(worker="w1", limit=4)
+        assert len(claimed) == 4
+        jobs_complete(results=[(job.pk, job.attempts, None) for job in claimed])
+    with _hot_cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s", ["%WITH RECURSIVE%"])
+        name = cursor.fetchone()[0]
+    text = claim_sql(4)
+    assert "LIMIT 16 FOR UPDATE" in text  # constants in the text, so a generic plan still matches the partial index
+    plan, counts = _explain_prepared(name, text)
+    assert "job_claim_order_idx" in plan, (counts, plan)
+    assert "Seq Scan on jobs_job" not in plan, (counts, plan)  # neither claim order reads the whole table
+
+
+def _explain_prepared(name: str, text: str) -> tuple[str, tuple]:
+    """The plan PostgreSQL uses now for the prepared statement ``name`` of ``text`` (generic or
+    custom), via EXPLAIN EXECUTE with the parameters a claim passes, and its plan counts."""
+    import re
+
+    from django.utils import timezone
+
+    from jobs.services.claim import claim_params
+
+    params = claim_params(worker="w1", limit=4, now=timezone.now())
+    names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))  # $1, $2 ... in order of first use
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT parameter_types::text, generic_plans, custom_plans FROM pg_prepared_statements"
+                       " WHERE name = %s", [name])
+        types, generic, custom = cursor.fetchone()
+        types = [kind.strip('"') for kind in types.strip("{}").split(",")]
+        assert len(types) == len(names)
+        literals = ", ".join("'{}'::{}".format(str(params[key]).replace("'", "''"), kind)
+                             for key, kind in zip(names, types))
+        cursor.execute(f'EXPLAIN EXECUTE "{name}"({literals})')
+        return "\n".join(row[0] for row in cursor.fetchall()), (generic, custom)
