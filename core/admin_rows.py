@@ -63,6 +63,19 @@ def cell_truncated(text: str, *, css: str = "cell-truncate"):
     return mark_safe(f'<span class="{css}" title="{text}">{text}</span>')
 
 
+def cell_with_reason(badge: str, reason: str, *, title: str = ""):
+    """A status ``badge`` with its ``reason`` beneath it (``title`` on hover: the reason itself by default)."""
+    if not reason:
+        return badge
+    reason = html_text(reason)
+    return mark_safe(f'{badge}<span class="cell-sub" title="{title or reason}">{reason}</span>')
+
+
+def duration_since(moment: datetime | None, now: datetime) -> str:
+    """``duration_label`` of the time from ``moment`` to ``now``; "—" for none."""
+    return duration_label((now - moment).total_seconds()) if moment is not None else "—"
+
+
 def cell_since(moment: datetime | None, now: datetime) -> SafeString | str:
     """How long ago ``moment`` was, compact, with the timestamp (UTC, to the second) in ``title``."""
     if moment is None:

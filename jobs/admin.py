@@ -20,7 +20,7 @@ from django.utils.safestring import mark_safe
 
 from core.admin import ProjectAdmin, ReadOnlyAdmin
 from core.admin_runbooks import RunbookAdminMixin, recent_filter, top_values_filter
-from core.admin_rows import cell_truncated, duration_label, html_text
+from core.admin_rows import cell_truncated, cell_with_reason, duration_since, html_text
 from core.admin_scale import ScaledListMixin
 from core.errors import DomainError
 from core.runbooks import RunbookForm, describe_error
@@ -212,12 +212,7 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
 
     @admin.display(description="state · reason", ordering="state")
     def state_and_reason(self, job):
-        badge = self.live_state(job)
-        if not job.reason:
-            return badge
-        reason = html_text(job.reason)
-        title = html_text(job.error[:300]) if job.error else reason
-        return mark_safe(f'{badge}<span class="cell-sub" title="{title}">{reason}</span>')
+        return cell_with_reason(self.live_state(job), job.reason, title=html_text(job.error[:300]) if job.error else "")
 
     @admin.display(description="lane", ordering="lane")
     def lane_name(self, job):
@@ -232,10 +227,8 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
         """How long the job waited for a worker: from queued to started, or until now while it waits."""
         queued = job.queued_at or job.created_at
         if job.started_at is not None:
-            return duration_label((job.started_at - queued).total_seconds())
-        if job.is_terminal or queued is None:
-            return "—"
-        return duration_label((timezone.now() - queued).total_seconds())
+            return duration_since(queued, job.started_at)
+        return "—" if job.is_terminal else duration_since(queued, timezone.now())
 
     @admin.display(description="run", ordering="run_id")
     def run(self, job):
@@ -253,7 +246,7 @@ class JobAdmin(ScaledListMixin, RunbookAdminMixin, ReadOnlyAdmin):
         if job.is_terminal:
             return "—"
         since = job.started_at if job.state == JobState.EXECUTING else (job.queued_at or job.created_at)
-        return duration_label((timezone.now() - since).total_seconds()) if since else "—"
+        return duration_since(since, timezone.now())
 
 
 @admin.register(JobLane)

@@ -21,7 +21,7 @@ from django.utils.text import smart_split, unescape_string_literal
 
 from billing.models import LedgerEntry
 from core.admin import ReadOnlyAdmin, ReadOnlyInline
-from core.admin_rows import cell_since, cell_truncated, duration_label, html_text
+from core.admin_rows import cell_since, cell_truncated, cell_with_reason, duration_label, html_text
 from core.admin_scale import ScaledListMixin
 from core.admin_runbooks import (
     RunbookAdminMixin,
@@ -232,11 +232,7 @@ class RunAdmin(ScaledListMixin, RunPageAdminMixin, RunPipelineAdminMixin, Runboo
 
     @admin.display(description="status · reason", ordering="status")
     def status_and_reason(self, run):
-        badge = self.live_status(run)
-        if not run.status_reason:
-            return badge
-        reason = html_text(run.status_reason)
-        return mark_safe(f'{badge}<span class="cell-sub" title="{reason}">{reason}</span>')
+        return cell_with_reason(self.live_status(run), run.status_reason)
 
     @admin.display(description="last error", ordering="last_error_code")
     def error(self, run):
