@@ -30,6 +30,8 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.translation import gettext
 
+from core.sql import subqueries_row
+
 CURSOR_VAR = "cursor"
 PER_PAGE_VAR = "rows"  # not "per_page": a link that drops "p" (the page) drops every key starting with it
 PER_PAGE_CHOICES = (50, 100, 200)
@@ -58,20 +60,8 @@ def counts_bounded(querysets: dict, limit: int) -> dict:
     stops after ``limit`` + 1 rows, so its cost does not follow the table's size. A queryset given
     an explicit ``order_by`` keeps it: the order of the index meant to be walked (under a limit the
     planner may otherwise walk a broader index and filter it, trusting an estimate)."""
-    if not querysets:
-        return {}
-    connection = connections[next(iter(querysets.values())).db]
-    parts, params = [], []
-    for queryset in querysets.values():
-        if not queryset.query.order_by:
-            queryset = queryset.order_by()
-        sql, part_params = queryset.values("pk")[:limit + 1].query.sql_with_params()
-        parts.append(f"(SELECT COUNT(*) FROM ({sql}) AS bounded)")
-        params.extend(part_params)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {', '.join(parts)}", params)
-        row = cursor.fetchone()
-    return {name: int(count) for name, count in zip(querysets, row)}
+    counts = subqueries_row(querysets, wrap="(SELECT COUNT(*) FROM ({}) AS bounded)", limit=limit + 1)
+    return {name: int(count) for name, count in counts.items()}
 
 
 class ScaledPaginator(Paginator):

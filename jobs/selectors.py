@@ -12,10 +12,10 @@ from datetime import timedelta
 from typing import Any, Iterable
 
 from django.conf import settings
-from django.db import connection
 from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
+from core.sql import subqueries_row
 from core.timefmt import isoformat_or_none
 from jobs.models import (
     ACTIVE_JOB_STATES,
@@ -378,12 +378,4 @@ def maintenance_due(now) -> dict[str, bool]:
         "interrupts": Job.objects.filter(state=JobState.EXECUTING, cancel_requested_at__isnull=False),
         "waiting": Job.objects.filter(state__in=sorted(WAITING_JOB_STATES)),
     }
-    parts, params = [], []
-    for queryset in probes.values():
-        sql, query_params = queryset.order_by().values("pk")[:1].query.sql_with_params()
-        parts.append(f"EXISTS ({sql})")
-        params.extend(query_params)
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT {', '.join(parts)}", params)
-        row = cursor.fetchone()
-    return {name: bool(value) for name, value in zip(probes, row)}
+    return {name: bool(value) for name, value in subqueries_row(probes, wrap="EXISTS ({})", limit=1).items()}

@@ -1,0 +1,29 @@
+"""Reads that take several querysets in one statement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connections
+from django.db.models import QuerySet
+
+
+def subqueries_row(querysets: dict[str, QuerySet], *, wrap: str, limit: int) -> dict[str, Any]:
+    """Each queryset's primary keys (at most ``limit``) put into ``wrap`` (an SQL expression with
+    ``{}`` where the subquery goes, e.g. ``"EXISTS ({})"``), all read in one ``SELECT``: one round
+    trip whatever the number of querysets. A queryset given an explicit ``order_by`` keeps it (the
+    index meant to be walked under the limit); the others drop their default ordering."""
+    if not querysets:
+        return {}
+    connection = connections[next(iter(querysets.values())).db]
+    parts, params = [], []
+    for queryset in querysets.values():
+        if not queryset.query.order_by:
+            queryset = queryset.order_by()
+        sql, part_params = queryset.values("pk")[:limit].query.sql_with_params()
+        parts.append(wrap.format(sql))
+        params.extend(part_params)
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {', '.join(parts)}", params)
+        row = cursor.fetchone()
+    return dict(zip(querysets, row))
