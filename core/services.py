@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Model
+from django.utils import timezone
 
 from core.errors import NotFound, ValidationFailed
 from core.events import PROJECT_CREATED
 from core.models import AuditRecord, Event, Organization, Project
+from core.sql import hot_cursor
 from core.tracing import tracing_trace_id
 
 logger = logging.getLogger("orchestrator.transitions")
@@ -35,16 +38,33 @@ def event_record(
     return event
 
 
-def events_record(rows: list[dict[str, Any]]) -> list[Event]:
+def events_record(rows: list[dict[str, Any]]) -> list[int]:
     """Write several outbox events in one statement, in the caller's transaction, in the order
-    given (their ids increase in that order). Each row takes ``event_record``'s keyword arguments."""
+    given (their ids increase in that order); returns their ids. Each row takes ``event_record``'s
+    keyword arguments. On PostgreSQL the rows travel as one JSON document through a statement
+    prepared once per connection (``hot_cursor``): no model instance, no SQL built per call."""
     if not rows:
         return []
-    return Event.objects.bulk_create([
-        Event(type=row["type"], organization_id=row.get("organization_id"), project_id=row.get("project_id"),
-              run_id=row.get("run_id"), payload=row.get("payload") or {})
-        for row in rows
-    ])
+    if connection.vendor != "postgresql":
+        return [event.pk for event in Event.objects.bulk_create([
+            Event(type=row["type"], organization_id=row.get("organization_id"), project_id=row.get("project_id"),
+                  run_id=row.get("run_id"), payload=row.get("payload") or {})
+            for row in rows
+        ])]
+    document = json.dumps([[row["type"], row.get("organization_id"), row.get("project_id"), row.get("run_id"),
+                            row.get("payload") or {}] for row in rows], separators=(",", ":"))
+    with hot_cursor() as cursor:
+        cursor.execute(_EVENTS_INSERT, [connection.ops.adapt_datetimefield_value(timezone.now()), document])
+        return [row[0] for row in cursor.fetchall()]
+
+
+# One row per element of a JSON array of [type, organization_id, project_id, run_id, payload],
+# inserted in the array's order (``WITH ORDINALITY``), so the ids increase in that order.
+_EVENTS_INSERT = (
+    f"INSERT INTO {Event._meta.db_table} (type, organization_id, project_id, run_id, payload, created_at)"
+    " SELECT e.value->>0, (e.value->>1)::bigint, (e.value->>2)::bigint, (e.value->>3)::bigint, e.value->4, %s::timestamptz"
+    " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS e(value, n) ORDER BY e.n RETURNING id"
+)
 
 
 # Keys every transition line carries (None when they do not apply), and the names call sites

@@ -1,11 +1,25 @@
-"""Reads that take several querysets in one statement."""
+"""Hand-written SQL the ORM would build on every call: reads that take several querysets in one
+statement, and the cursor the hot statements run on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from django.db import connections
+from django.db import connection, connections
 from django.db.models import QuerySet
+
+
+def hot_cursor():
+    """A cursor for hot statements (raw SQL built once per process). On PostgreSQL it binds
+    parameters on the server, so psycopg prepares a statement once it ran ``prepare_threshold``
+    times on the connection (parsed and planned once, not per call); it goes through Django's
+    cursor wrapper all the same (execute wrappers, query logging)."""
+    connection.ensure_connection()
+    if connection.vendor != "postgresql":
+        return connection.cursor()
+    from django.db.backends.postgresql.base import ServerBindingCursor
+
+    return connection._prepare_cursor(ServerBindingCursor(connection.connection))
 
 
 def subqueries_row(querysets: dict[str, QuerySet], *, wrap: str, limit: int) -> dict[str, Any]:

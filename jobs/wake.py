@@ -1,6 +1,7 @@
 """django-q2 messages: each one means "a job may be ready"; the worker claims the best one.
 
-Within one process, wake messages are coalesced (at most one per ``WAKE_COALESCE_MS``): a
+Within one process, wake messages are coalesced (at most one per
+``ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS``): a
 worker drains many jobs per message. A wake asked for inside the window is not dropped: one
 message is sent when the window ends (a job enqueued just after a worker's drain found the
 queue empty waits at most the window, not the maintenance pump's interval). The pump still
@@ -19,7 +20,6 @@ from django.conf import settings
 
 logger = logging.getLogger("orchestrator.jobs")
 
-WAKE_COALESCE_MS = 20
 _lock = threading.Lock()
 _last_wake = 0.0
 _deferred: threading.Timer | None = None  # the message that ends the current window, if asked for
@@ -47,11 +47,12 @@ def wake_workers(count: int = 1, *, force: bool = False) -> int:
     if count <= 0:
         return 0
     now = time.monotonic()
+    window_ms = settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS
     with _lock:
         elapsed_ms = (now - _last_wake) * 1000
-        if not force and elapsed_ms < WAKE_COALESCE_MS:
+        if not force and elapsed_ms < window_ms:
             if _deferred is None:
-                _deferred = threading.Timer((WAKE_COALESCE_MS - elapsed_ms) / 1000, _wake_deferred)
+                _deferred = threading.Timer((window_ms - elapsed_ms) / 1000, _wake_deferred)
                 _deferred.daemon = True
                 _deferred.start()
             return 0

@@ -27,7 +27,7 @@ from jobs.services import job_enqueue, job_retarget
 from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
-from runs.outbox import run_event_record, run_events_flush
+from runs.outbox import run_atomic, run_event_record, run_events_flush
 from runs.pipeline.gates import gate_execute
 from runs.selectors import run_step_jobs_queued
 
@@ -183,22 +183,23 @@ class _Chain:
         if run.status != Run.Status.RUNNING:
             return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
         steps = services.runnable_steps(run)
-        if steps:
-            run_events_flush()  # the settlement's events before the jobs' own
+        # Steps whose job is on the way (a new one would be dropped); every run_step job of the run
+        # is enqueued or pointed at its step under the run's lock, so none can appear meanwhile.
+        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
         mine = None
         for step in steps:
-            if (step.kind == Step.Kind.TOOL and self._may_go_on(step)
+            if (step.kind == Step.Kind.TOOL and (step.pk, step.attempts) not in queued and self._may_go_on(step)
                     and job_retarget(job_id=self.ctx.job_id, attempt=self.ctx.attempt, job_type=RUN_STEP.type,
-                                     project_id=run.project_id,
+                                     project_id=run.project_id, savepoint=False,
                                      payload={"run": run.pk, "step": step.pk, "round": step.attempts})):
                 mine = step
                 break
-        others = [step for step in steps if step is not mine]
-        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in others])
+        others = [step for step in steps if step is not mine and (step.pk, step.attempts) not in queued]
+        if others:
+            run_events_flush()  # the settlement's events before the jobs' own
         for step in others:
-            if (step.pk, step.attempts) not in queued:  # else its job is on the way (a new one would be dropped)
-                job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
-                            payload={"run": run.pk, "step": step.pk, "round": step.attempts})
+            job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
+                        payload={"run": run.pk, "step": step.pk, "round": step.attempts})
         if mine is not None:
             self.next_step = mine  # the run tree's own object: its task and agent move with it
             self.next_attempt = services.step_begin_locked(run, mine)
@@ -274,17 +275,22 @@ def _execute_attempt(ctx, step: Step, attempt, *, then=None, recorded=None) -> s
         return last["stop"]
 
     settled: dict = {}
+    command_events: list[dict] = []
 
     def on_success(result) -> None:  # in the transaction that records the command's result
-        settled["outcome"] = services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result, then=then,
-                                                           savepoint=False)
+        with run_atomic(savepoint=False):  # its command_succeeded event and the settlement's: one INSERT
+            for row in command_events:
+                run_event_record(**row)
+            settled["outcome"] = services.step_attempt_succeed(attempt_id=attempt.pk, output=result.result,
+                                                               then=then, savepoint=False)
 
     try:
         with time_limit(tool.timeout_s):
             result = command_execute(project=run.project, kind="invoke_tool",
                                      args={"tool": step.tool, "args": step.args},
                                      idempotency_key=attempt.idempotency_key, should_stop=should_stop,
-                                     attempt=attempt.number, on_success=on_success, recorded=recorded)
+                                     attempt=attempt.number, on_success=on_success, recorded=recorded,
+                                     emit=lambda **row: command_events.append(row))
     except JobCancelled:
         return services.step_attempt_abandon(attempt_id=attempt.pk)
     except JobTimeout as exc:

@@ -62,8 +62,12 @@ def run_atomic(*, savepoint: bool = True) -> Iterator[None]:
     """``transaction.atomic()`` whose ``run_event_record`` rows are written in one INSERT at its end
     (also a decorator: ``@run_atomic()``). ``savepoint=False`` inside a transaction: no savepoint,
     for a caller whose transaction fails as a whole when this block fails (as
-    ``transaction.atomic(savepoint=False)``)."""
+    ``transaction.atomic(savepoint=False)``); inside a batch its rows join the outer batch."""
     rows = _pending()
+    if rows is not None and not savepoint:  # nested without a savepoint: one batch, one fate
+        with transaction.atomic(savepoint=False):
+            yield
+        return
     if rows is not None:  # nested: the outer batch's rows go first, outside the savepoint
         run_events_flush()
         with transaction.atomic(savepoint=savepoint):

@@ -98,7 +98,7 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
                     adapter: ExecutionAdapter | None = None,
                     should_stop: Callable[[], bool] | None = None, attempt: int | None = None,
                     billed: bool = False, on_success: Callable[[CommandResult], Any] | None = None,
-                    recorded: RecordedCommand | None = None) -> CommandResult:
+                    recorded: RecordedCommand | None = None, emit: Callable[..., Any] | None = None) -> CommandResult:
     """Execute command ``kind`` at most once per ``(project, kind, idempotency_key)``.
 
     Raises ``ValidationFailed`` (nothing recorded), ``CommandConflict`` (same key, other
@@ -113,6 +113,8 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
     called for a replay answered from the record.
     ``recorded``: the command as ``command_record`` recorded it in a transaction of the caller's,
     already committed (the same project, kind, key and arguments); it is not recorded again.
+    ``emit`` (with ``on_success``): where the ``command_succeeded`` event goes, just before
+    ``on_success`` is called in the same transaction (a caller batching its events writes it there).
     """
     if recorded is not None:
         record, execute, normalized = recorded.record, recorded.execute, recorded.args
@@ -143,7 +145,7 @@ def command_execute(*, project: Project, kind: str, args: dict, idempotency_key:
             return CommandResult(record, record.result, replayed=True)
         raise CommandFailed(message, reason=code, retryable=retryable, command_id=record.pk) from exc
     record = _command_succeed(record_id=record.pk, organization_id=project.organization_id, result=_jsonable(result),
-                              on_success=on_success)
+                              on_success=on_success, emit=emit if on_success is not None else None)
     return CommandResult(record, record.result, replayed=False)
 
 
@@ -249,7 +251,8 @@ def _command_record_in(*, project: Project, kind: str, key: str, args: dict, dig
 
 
 def _command_succeed(*, record_id: int, organization_id: int, result: Any,
-                     on_success: Callable[[CommandResult], Any] | None = None) -> CommandRecord:
+                     on_success: Callable[[CommandResult], Any] | None = None,
+                     emit: Callable[..., Any] | None = None) -> CommandRecord:
     with transaction.atomic(durable=True):
         record = CommandRecord.objects.select_for_update().get(pk=record_id)
         if record.status == CommandStatus.SUCCEEDED:
@@ -262,8 +265,8 @@ def _command_succeed(*, record_id: int, organization_id: int, result: Any,
         record.error = ""
         record.error_code = ""
         record.completed_at = timezone.now()
-        record.save()
-        _emit(record, COMMAND_SUCCEEDED, organization_id)
+        record.save(update_fields=["status", "result", "error", "error_code", "completed_at", "updated_at"])
+        _emit(record, COMMAND_SUCCEEDED, organization_id, emit=emit)
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status})
         if on_success is not None:

@@ -16,7 +16,8 @@ from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
 from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql
-from jobs.services.common import _after_commit_hook, _hot_cursor, _jobs_from_rows, _trace_fields, job_as_dict
+from core.sql import hot_cursor
+from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
 logger = logging.getLogger("orchestrator.jobs")
 
@@ -96,7 +97,7 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
 
 def _claim(limit: int, params: dict) -> list[Job]:
     with transaction.atomic():
-        with _hot_cursor() as cursor:
+        with hot_cursor() as cursor:
             if connection.vendor == "postgresql":
                 cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CLAIM_LOCK_KEY])
             cursor.execute(claim_sql(limit), params)

@@ -116,19 +116,6 @@ def _wake() -> None:
     wake_workers()
 
 
-def _hot_cursor():
-    """A cursor for the queue's hot statements (raw SQL built once per process). On PostgreSQL it
-    binds parameters on the server, so psycopg prepares a statement once it ran
-    ``prepare_threshold`` times on the connection (parsed and planned once, not per call); it
-    goes through Django's cursor wrapper all the same (execute wrappers, query logging)."""
-    connection.ensure_connection()
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    from django.db.backends.postgresql.base import ServerBindingCursor
-
-    return connection._prepare_cursor(ServerBindingCursor(connection.connection))
-
-
 _JOB_COLUMNS: dict[str, tuple] = {}
 
 

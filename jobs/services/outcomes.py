@@ -14,7 +14,8 @@ from core.services import audit_record, events_record, row_lock, transition_log
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
-from jobs.services.common import (_after_commit_hook, _current, _hot_cursor, _job_columns, _jobs_from_rows, _move,
+from core.sql import hot_cursor
+from jobs.services.common import (_after_commit_hook, _current, _job_columns, _jobs_from_rows, _move,
                                   _trace_fields, _wake, job_as_dict)
 
 
@@ -89,7 +90,7 @@ def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
                   "now": now}
     order = {job_id: index for index, (job_id, _, _) in enumerate(results)}
     with transaction.atomic():
-        with _hot_cursor() as cursor:
+        with hot_cursor() as cursor:
             cursor.execute(_complete_sql(), params)
             completed = sorted(_jobs_from_rows(cursor.fetchall()), key=lambda job: order[job.pk])
         events_record([{"type": JOB_STATE_EVENTS[JobState.COMPLETED], "organization_id": job.organization_id,
@@ -157,13 +158,16 @@ def job_fail(*, job_id: int, reason: str, error: str, actor=None, audit_reason: 
         return job
 
 
-def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, payload: dict) -> bool:
+def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, payload: dict,
+                 savepoint: bool = True) -> bool:
     """Point the executing attempt of a job at new work, in the caller's transaction: its payload
     and dedupe key become those of ``payload`` (a recovered attempt then resumes that work).
 
     False, and nothing written, when the attempt is no longer current or an active job of the
     same type already holds the new dedupe key (that job does the work). Only the unique dedupe
-    key can conflict: that one statement runs under a savepoint.
+    key can conflict: that one statement runs under a savepoint. ``savepoint=False``: the caller
+    has seen under its own lock that no active job holds the key (a conflict then fails its
+    transaction, as any other failed statement would).
     """
     definition = definition_get(job_type)
     if definition is None:
@@ -171,11 +175,13 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     payload = definition.validated(payload)
     key = definition.dedupe.key(payload, project_id) if definition.dedupe.mode != "none" else None
     current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
+    values = {"payload": payload, "dedupe_key": key or "", "active_dedupe_key": f"{definition.type}:{key}" if key else None,
+              "updated_at": timezone.now()}
+    if not savepoint:
+        return current.update(**values) == 1
     try:
         with transaction.atomic():
-            updated = current.update(payload=payload, dedupe_key=key or "",
-                                     active_dedupe_key=f"{definition.type}:{key}" if key else None,
-                                     updated_at=timezone.now())
+            updated = current.update(**values)
     except IntegrityError:
         return False
     return updated == 1

@@ -38,6 +38,10 @@ class HierarchyNode(ConcurrentTransitionMixin, models.Model):
     class Meta:
         abstract = True
 
+    # The fields a node's moves change (what ``_node_move`` writes); the rest is its plan, written
+    # once when the node is created.
+    MOVING_FIELDS: tuple[str, ...] = ("status", "last_error_code", "last_error", "started_at", "finished_at")
+
     begin = StateMove(status, source=NodeStatus.PENDING, target=NodeStatus.RUNNING)
     pause = StateMove(status, source=[NodeStatus.PENDING, NodeStatus.RUNNING], target=NodeStatus.PAUSED)
     unpause = StateMove(status, source=NodeStatus.PAUSED, target=NodeStatus.PENDING)
@@ -68,6 +72,8 @@ class Agent(HierarchyNode):
                                         default=ParallelismMode.SEQUENTIAL)
     retry_count = models.PositiveSmallIntegerField(default=0)
 
+    MOVING_FIELDS = (*HierarchyNode.MOVING_FIELDS, "retry_count")
+
     class Meta:
         ordering = ["run_id", "attempt_number", "sequence"]
         constraints = [
@@ -88,6 +94,8 @@ class Task(HierarchyNode):
                                         default=ParallelismMode.SEQUENTIAL)
     depends_on = models.JSONField(default=list, blank=True)
     retry_count = models.PositiveSmallIntegerField(default=0)
+
+    MOVING_FIELDS = (*HierarchyNode.MOVING_FIELDS, "retry_count")
 
     class Meta:
         ordering = ["agent_id", "sequence"]
@@ -116,6 +124,9 @@ class Step(HierarchyNode):
     not_before = models.DateTimeField(null=True, blank=True)
     output = models.JSONField(null=True, blank=True)
     credits_charged = models.BigIntegerField(default=0)
+
+    MOVING_FIELDS = (*HierarchyNode.MOVING_FIELDS, "attempts", "tries_this_round", "not_before", "output",
+                     "credits_charged")
 
     class Meta:
         ordering = ["task_id", "sequence"]

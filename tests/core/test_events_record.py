@@ -18,7 +18,7 @@ def test_rows_are_written_in_order_with_increasing_ids(django_assert_num_queries
         ])
     rows = list(Event.objects.filter(pk__gt=first.pk).order_by("id"))
     assert [row.type for row in rows] == ["a", "b", "c"]
-    assert [row.pk for row in written] == [row.pk for row in rows]
+    assert written == [row.pk for row in rows]
     assert rows[0].run_id == 7 and rows[0].payload == {"n": 1} and rows[2].payload == {}
     assert all(row.created_at is not None for row in rows)
 

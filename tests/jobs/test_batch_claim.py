@@ -228,7 +228,7 @@ def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, typ
 
     from jobs.models import JobLane
     from jobs.services.claim_sql import claim_sql
-    from jobs.services.common import _hot_cursor
+    from core.sql import hot_cursor
 
     settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 100_000
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
@@ -248,7 +248,7 @@ def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, typ
         claimed = jobs_claim(worker="w1", limit=4)
         assert len(claimed) == 4
         jobs_complete(results=[(job.pk, job.attempts, None) for job in claimed])
-    with _hot_cursor() as cursor:
+    with hot_cursor() as cursor:
         cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s", ["%WITH RECURSIVE%"])
         name = cursor.fetchone()[0]
     text = claim_sql(4)
