@@ -181,15 +181,19 @@ def account_charge(*, organization_id: int, project_id: int | None, amount: int,
 
 def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                amount: int, idempotency_key: str, actor, reason: str, apply, source: str = "",
-               emit: EventSink | None = None) -> LedgerResult:
+               emit: EventSink | None = None, new: bool = False) -> LedgerResult:
     """Append one run entry exactly once: lock the account, return the entry already written
     under ``(run, kind, key)``, or let ``apply`` move the figures (or refuse) and append.
+    ``new``: the caller knows no entry has this key yet (it holds the lock every writer of the
+    run's entries of this kind holds, and what it settles is not settled yet): no lookup; a
+    duplicate still fails on the unique key.
 
     In the caller's transaction when there is one (no savepoint: a refusal raises before anything
     is written, so the caller may catch it and go on), else in its own."""
     with transaction.atomic() if not connection.in_atomic_block else nullcontext():
         account = _account_locked(organization_id)
-        existing = _existing(organization_id=organization_id, run_id=run_id, kind=kind, key=idempotency_key)
+        existing = None if new else _existing(organization_id=organization_id, run_id=run_id, kind=kind,
+                                              key=idempotency_key)
         if existing is not None:
             return LedgerResult(existing, False)
         apply(account)
@@ -220,8 +224,9 @@ def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int,
 
 def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                   amount: int, idempotency_key: str, actor=None, reason: str = "",
-                  emit: EventSink | None = None) -> LedgerResult:
-    """Consume ``amount`` held credits. The caller checks the attempt's own reservation."""
+                  emit: EventSink | None = None, new: bool = False) -> LedgerResult:
+    """Consume ``amount`` held credits. The caller checks the attempt's own reservation (``new``:
+    as ``_run_entry``'s)."""
     amount = _validate_amount(amount)
 
     def apply(account: CreditAccount) -> None:
@@ -233,7 +238,7 @@ def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, 
 
     return _run_entry(kind=LedgerEntry.Kind.CHARGE, organization_id=organization_id, project_id=project_id,
                       run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, emit=emit)
+                      actor=actor, reason=reason, apply=apply, emit=emit, new=new)
 
 
 def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,

@@ -1,4 +1,5 @@
-"""State moves declared in one line each (django-fsm transitions whose method only moves the field).
+"""State moves declared in one line each (django-fsm transitions whose method only moves the field),
+and django-fsm's optimistic save check with its state fields looked up once per model.
 
 A model declares ``start = StateMove(status, source=Status.CREATED, target=Status.PENDING)`` where it
 would write ``@transition(field=status, source=..., target=...)`` over ``def start(self): pass``: the
@@ -12,7 +13,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from django_fsm import transition
+from django_fsm import ConcurrentTransitionMixin, FSMFieldMixin, transition
+
+_STATE_FIELDS: dict[type, tuple] = {}
+
+
+class ConcurrentTransitions(ConcurrentTransitionMixin):
+    """``ConcurrentTransitionMixin`` (a save writes the row only while its state fields still hold
+    what was read) whose model's state fields are found once per class, not on every instance:
+    a run's tree builds dozens of nodes per read, the queue a job per claimed row."""
+
+    @property
+    def state_fields(self):
+        cls = type(self)
+        fields = _STATE_FIELDS.get(cls)
+        if fields is None:
+            fields = _STATE_FIELDS[cls] = tuple(field for field in cls._meta.fields
+                                                if isinstance(field, FSMFieldMixin))
+        return fields
 
 
 class StateMove:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
-from django_fsm import ConcurrentTransitionMixin, FSMField
+from django_fsm import FSMField
 
-from core.fsm import StateMove
+from core.fsm import ConcurrentTransitions, StateMove
 from core.models import Organization
 
 
-class Explanation(ConcurrentTransitionMixin, models.Model):
+class Explanation(ConcurrentTransitions, models.Model):
     """Why one step attempt failed and what the engine did about it.
 
     ``explaining`` (the placeholder, shown at once) → ``final`` (computed text and facts), or
@@ -64,7 +64,7 @@ class Explanation(ConcurrentTransitionMixin, models.Model):
     summarize = StateMove(status, source=Status.EXPLAINING, target=Status.SUMMARY)
 
 
-class Suggestion(ConcurrentTransitionMixin, models.Model):
+class Suggestion(ConcurrentTransitions, models.Model):
     """A suggested next action on a run, asked for by an operator and computed by a job.
 
     ``run_status`` and ``run_version`` are the run as it was when asked: once the run's

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models, transaction
-from django_fsm import ConcurrentTransitionMixin, FSMField
+from django_fsm import FSMField
 
-from core.fsm import StateMove
+from core.fsm import ConcurrentTransitions, StateMove
 from core.metrics import metrics_fold
 from core.models import Organization, Project
 from jobs.counters import TALLY_FIELDS, job_tally
@@ -107,7 +107,7 @@ class JobQuerySet(models.QuerySet):
     delete.queryset_only = True
 
 
-class Job(ConcurrentTransitionMixin, models.Model):
+class Job(ConcurrentTransitions, models.Model):
     """A unit of queued work of a registered type, owned by a project.
 
     At most one job per lane, at most ``GLOBAL_CONCURRENCY`` jobs in all and at most

@@ -14,6 +14,7 @@ from core.errors import ValidationFailed
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, transition_log
+from core.sql import subqueries_row
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
@@ -34,8 +35,17 @@ def organization_max_waiting() -> int:
             or max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL // 2))
 
 
-def _waiting_depth(**filters) -> int:
-    return Job.objects.filter(state__in=NOT_STARTED_JOB_STATES, **filters).count()
+def _waiting_depths(project: Project) -> tuple[int, int, int]:
+    """Jobs waiting in the project, in its organization and in all, in one statement (each an
+    index read of its own, counted up to the largest cap: enough to tell whether one is reached)."""
+    waiting = Job.objects.filter(state__in=NOT_STARTED_JOB_STATES)
+    counts = subqueries_row({"project": waiting.filter(project=project),
+                             "organization": waiting.filter(organization_id=project.organization_id),
+                             "total": waiting},
+                            wrap="(SELECT COUNT(*) FROM ({}) AS waiting)",
+                            limit=max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, organization_max_waiting(),
+                                      settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL))
+    return counts["project"], counts["organization"], counts["total"]
 
 
 def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
@@ -81,15 +91,13 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
             if existing is not None:
                 return _dedupe_hit(definition, existing, payload)
-        depth = _waiting_depth(project=project)
+        depth, in_organization, total = _waiting_depths(project)
         if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
             raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
                             f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
-        in_organization = _waiting_depth(organization_id=project.organization_id)
         if in_organization >= organization_max_waiting():
             raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
                             f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
-        total = _waiting_depth()
         if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
             raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
                             retry_after=_retry_hint(), scope="global")
@@ -124,8 +132,8 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
                        **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
         metrics_add([metric_sample("jobs_enqueued", type=job.type)])
         _emit(job, JOB_QUEUED)
-        if job.lane:
-            JobLane.objects.get_or_create(key=job.lane)
+        if job.lane:  # its row, once: one statement whether it exists or not
+            JobLane.objects.bulk_create([JobLane(key=job.lane)], ignore_conflicts=True)
         if actor is not None:
             audit_record(actor=actor, action="job_enqueue", target_type="job", target_id=job.pk,
                          organization_id=job.organization_id, run_id=run_id, after={"type": job.type})

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from django.db import models
-from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+from django_fsm import FSMField, transition
 
-from core.fsm import StateMove
+from core.fsm import ConcurrentTransitions, StateMove
 from runs.models.run import MAX_RETRIES_PER_LEVEL, FailureMode, ParallelismMode, Run
 
 
@@ -23,7 +23,7 @@ LIVE_NODE_STATES = frozenset({NodeStatus.PENDING, NodeStatus.RUNNING, NodeStatus
 DONE_NODE_STATES = frozenset({NodeStatus.COMPLETED, NodeStatus.FAILED, NodeStatus.SKIPPED, NodeStatus.CANCELLED})
 
 
-class HierarchyNode(ConcurrentTransitionMixin, models.Model):
+class HierarchyNode(ConcurrentTransitions, models.Model):
     """Status machine shared by agents, tasks and steps."""
 
     status = FSMField(max_length=16, choices=NodeStatus.choices, default=NodeStatus.PENDING, protected=True,

@@ -5,9 +5,9 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 from django.db.models.functions import Coalesce
-from django_fsm import ConcurrentTransitionMixin, FSMField, transition
+from django_fsm import FSMField, transition
 
-from core.fsm import StateMove
+from core.fsm import ConcurrentTransitions, StateMove
 from core.models import Organization, Project
 
 
@@ -31,7 +31,7 @@ class RunQuerySet(models.QuerySet):
         return self.filter(deleted_at__isnull=True)
 
 
-class Run(ConcurrentTransitionMixin, models.Model):
+class Run(ConcurrentTransitions, models.Model):
     """A top-level execution: a plan of agents, tasks and steps, billed against a reservation.
 
     Guarantees (kept by the services): credits ``reserved >= charged >= 0`` at every moment and

@@ -74,8 +74,10 @@ class RunTree:
 
     def __init__(self, run: Run):
         self.attempt_number = run.attempt_number
-        rows = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number).select_related(
-            "task__agent")
+        # Each table filtered by its own run index (the run's rows only, whatever the planner's
+        # statistics say: a fresh or just-grown table must not be joined whole).
+        rows = Step.objects.filter(run=run, task__run=run, task__agent__run=run,
+                                   task__agent__attempt_number=run.attempt_number).select_related("task__agent")
         self.agents: dict[int, Agent] = {}
         self.tasks: dict[int, Task] = {}
         self.steps: dict[int, Step] = {}

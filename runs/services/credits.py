@@ -58,8 +58,10 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
 
 
 def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
-    """Charge an attempt's reservation; ``CreditLimitExceeded`` when it would go past it. The
-    ledger answers a key already charged (nothing written, False)."""
+    """Charge an attempt's reservation for a step attempt being settled (``key``: the step
+    attempt's, charged in the transaction that settles it, so never charged before: the ledger
+    does not look it up; a duplicate still fails on its unique key); ``CreditLimitExceeded`` when
+    it would go past the reservation."""
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if amount > remaining:
         if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
@@ -69,7 +71,7 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
     result = ledger_charge(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                            attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason,
-                           emit=run_event_record)
+                           emit=run_event_record, new=True)
     if result.created:
         attempt.credits_charged += amount
         run.credits_charged += amount

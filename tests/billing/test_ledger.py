@@ -117,6 +117,20 @@ def test_the_same_key_is_independent_per_kind_and_per_run(project):
     assert LedgerEntry.objects.filter(idempotency_key="k").count() == 3
 
 
+def test_a_charge_said_new_skips_the_lookup_but_a_duplicate_still_fails_and_writes_nothing(project,
+                                                                                            django_assert_num_queries):
+    run = created_run(project)
+    ledger_reserve(**run_args(run, amount=10, idempotency_key="hold"))
+    with transaction.atomic(), django_assert_num_queries(4):  # lock the account, insert, update it, the event
+        assert ledger_charge(**run_args(run, amount=2, idempotency_key="step-try-1"), new=True).created
+    before = figures(run.organization_id)
+    with pytest.raises(ValidationFailed), transaction.atomic():
+        ledger_charge(**run_args(run, amount=2, idempotency_key="step-try-1"), new=True)
+    assert figures(run.organization_id) == before
+    again = ledger_charge(**run_args(run, amount=2, idempotency_key="step-try-1"))  # looked up: the first entry
+    assert again.created is False and figures(run.organization_id) == before
+
+
 def test_topup_repeated_with_the_same_key_changes_nothing(org):
     first = account_topup(organization_id=org.pk, amount=50, reason="invoice 7", idempotency_key="invoice-7")
     assert first.created
