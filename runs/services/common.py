@@ -72,12 +72,14 @@ class RunTree:
     current; a move of another copy of a node drops the tree (``_node_move``), read again when
     next needed. A plan's agents and tasks are never empty, so the steps name every node."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: Run, *, steps: list[Step] | None = None):
+        """``steps``: the attempt's steps just created (with their tasks and agents), not read again."""
         self.attempt_number = run.attempt_number
         # Each table filtered by its own run index (the run's rows only, whatever the planner's
         # statistics say: a fresh or just-grown table must not be joined whole).
-        rows = Step.objects.filter(run=run, task__run=run, task__agent__run=run,
-                                   task__agent__attempt_number=run.attempt_number).select_related("task__agent")
+        rows = steps if steps is not None else Step.objects.filter(
+            run=run, task__run=run, task__agent__run=run,
+            task__agent__attempt_number=run.attempt_number).select_related("task__agent")
         self.agents: dict[int, Agent] = {}
         self.tasks: dict[int, Task] = {}
         self.steps: dict[int, Step] = {}
@@ -307,11 +309,12 @@ def _terminate_live_nodes(run: Run, *, attempt_number: int) -> None:
 def _spawn_hierarchy(run: Run) -> int:
     """Create the agents, tasks and steps of the current attempt from the plan (once: a run
     enters running from pending once per attempt, and the names are unique per attempt)."""
-    return _spawn_agents(run, run.plan["agents"])
+    return _spawn_agents(run, run.plan["agents"], keep_tree=True)
 
 
-def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0) -> int:
-    """One INSERT per level: the agents, then their tasks, then their steps."""
+def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0, keep_tree: bool = False) -> int:
+    """One INSERT per level: the agents, then their tasks, then their steps. ``keep_tree``: they
+    are the whole tree of the attempt, kept as the run's tree for the rest of the transaction."""
     _run_tree_forget(run)
     agents = Agent.objects.bulk_create([
         Agent(run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
@@ -327,7 +330,7 @@ def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0)
              depends_on=list(task_spec.get("depends_on") or []))
         for agent, agent_spec in zip(agents, agent_specs) for t_seq, task_spec in enumerate(agent_spec["tasks"])
     ])
-    Step.objects.bulk_create([
+    steps = Step.objects.bulk_create([
         Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
              kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
              args={**step_spec.get("args", {}),
@@ -336,4 +339,9 @@ def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0)
              max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
         for task, (_, task_spec) in zip(tasks, specs) for s_seq, step_spec in enumerate(task_spec["steps"])
     ])
+    scope = run_atomic_scope()
+    if keep_tree and scope is not None and all(step.pk is not None for step in steps):
+        tree = RunTree(run, steps=steps)
+        tree.scope = scope
+        run.__dict__["_tree"] = tree
     return len(agents)
