@@ -12,11 +12,11 @@ from django.db.models import Case, Count, Exists, F, OuterRef, Q, Subquery, Valu
 from django.utils import timezone
 
 from core.services import events_record, transition_log
+from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
 from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql
-from core.sql import hot_cursor
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
 logger = logging.getLogger("orchestrator.jobs")

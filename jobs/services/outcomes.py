@@ -11,10 +11,10 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.services import audit_record, events_record, row_lock, transition_log
+from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
-from core.sql import hot_cursor
 from jobs.services.common import (_after_commit_hook, _current, _job_columns, _jobs_from_rows, _move,
                                   _trace_fields, _wake, job_as_dict)
 

@@ -1,5 +1,6 @@
 """Scheduling, dedupe, caps, retries, cancellation, deadlines and recovery, in-process."""
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -406,6 +407,26 @@ def test_wake_message_is_sent_only_after_commit(project, monkeypatch, django_cap
     for callback in callbacks:
         callback()
     assert sent == [1]
+
+
+def test_wakes_within_the_window_share_one_message_sent_when_the_window_ends(settings, monkeypatch):
+    from jobs.wake import wake_workers
+
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 50
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    monkeypatch.setattr("jobs.wake._last_wake", 0.0)
+    monkeypatch.setattr("jobs.wake._deferred", None)
+    assert wake_workers() == 1
+    assert wake_workers() == 0 and wake_workers() == 0  # inside the window: one deferred message for both
+    assert sent == [1]
+    deadline = time.monotonic() + 5
+    while len(sent) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sent == [1, 1]
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0  # no window: every wake is a message
+    assert wake_workers() == 1 and wake_workers() == 1
+    assert sent == [1, 1, 1, 1]
 
 
 def test_hooks_run_after_commit(project, define_job, django_capture_on_commit_callbacks):
