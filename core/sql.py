@@ -17,9 +17,26 @@ def hot_cursor():
     connection.ensure_connection()
     if connection.vendor != "postgresql":
         return connection.cursor()
-    from django.db.backends.postgresql.base import ServerBindingCursor
+    return connection._prepare_cursor(_hot_cursor_class()(connection.connection))
 
-    return connection._prepare_cursor(ServerBindingCursor(connection.connection))
+
+_HOT_CURSOR: list[type] = []
+
+
+def _hot_cursor_class() -> type:
+    """psycopg's server-binding cursor that keeps the statement it sent once prepared too, so
+    Django's query log (``connection.queries``, the test client's captured queries) shows its text
+    rather than ``None`` (psycopg records the query only when it sends it unprepared)."""
+    if not _HOT_CURSOR:
+        from django.db.backends.postgresql.base import ServerBindingCursor
+
+        class HotCursor(ServerBindingCursor):
+            def _send_query_prepared(self, name, pgq, *, binary=None):
+                self._query = pgq
+                super()._send_query_prepared(name, pgq, binary=binary)
+
+        _HOT_CURSOR.append(HotCursor)
+    return _HOT_CURSOR[0]
 
 
 def subqueries_row(querysets: dict[str, QuerySet], *, wrap: str, limit: int) -> dict[str, Any]:

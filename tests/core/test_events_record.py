@@ -33,3 +33,18 @@ def test_nothing_is_written_for_no_rows_or_a_rolled_back_transaction(django_asse
             events_record([{"type": "x", "organization_id": None}])
             raise RuntimeError
     assert Event.objects.count() == before
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db
+def test_a_prepared_batch_insert_keeps_its_text_in_the_query_log():
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    threshold = connection.connection.prepare_threshold or 0
+    with CaptureQueriesContext(connection) as captured:
+        for n in range(threshold + 2):  # the last ones run prepared
+            events_record([{"type": "t", "organization_id": None, "payload": {"n": n}}])
+    texts = [query["sql"] for query in captured.captured_queries]
+    assert len(texts) == threshold + 2
+    assert all(text and text.startswith("INSERT INTO core_event") for text in texts)
