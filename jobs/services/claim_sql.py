@@ -67,7 +67,7 @@ def _build(candidates: int, *, skip_locked: bool) -> str:
         f" AND NOT (j.project_id IN (SELECT p.project_id FROM {pause} p WHERE p.project_id IS NOT NULL))"
         f" AND NOT (j.type IN (SELECT p.job_type FROM {pause} p WHERE p.job_type <> ''))"
     )
-    columns, _ = _job_columns()
+    columns = _job_columns()
     return (
         "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series WHERE s + 1 < %(span)s),"
         # from the saturated lanes (few; their index) to their waiting jobs (the lane index)

@@ -14,6 +14,7 @@ from django_fsm import can_proceed
 
 from core.errors import ValidationFailed
 from core.services import event_record, row_lock, transition_log
+from core.sql import ModelRows
 from core.timefmt import isoformat_or_none
 from jobs.errors import JobConflict
 from jobs.events import JOB_PROGRESS, JOB_STATE_EVENTS
@@ -116,40 +117,17 @@ def _wake() -> None:
     wake_workers()
 
 
-_JOB_COLUMNS: dict[str, tuple] = {}
+JOB_ROWS = ModelRows(Job)
 
 
-def _job_columns() -> tuple[str, list]:
-    """``RETURNING`` columns of a job row (qualified by the table) and their converters."""
-    if connection.vendor not in _JOB_COLUMNS:
-        table = Job._meta.db_table
-        qn = connection.ops.quote_name
-        fields = Job._meta.concrete_fields
-        columns = ", ".join(f"{qn(table)}.{qn(field.column)}" for field in fields)
-        converters = []
-        for index, field in enumerate(fields):
-            expression = field.get_col(table)
-            found = connection.ops.get_db_converters(expression) + expression.get_db_converters(connection)
-            if found:
-                converters.append((index, expression, found))
-        _JOB_COLUMNS[connection.vendor] = (columns, converters)
-    return _JOB_COLUMNS[connection.vendor]
+def _job_columns() -> str:
+    """``RETURNING`` columns of a job row, qualified by the table (``_jobs_from_rows`` reads them)."""
+    return JOB_ROWS.columns(connection.ops.quote_name(Job._meta.db_table))
 
 
 def _jobs_from_rows(rows) -> list[Job]:
     """Job instances from rows of ``_job_columns()`` (the database's values converted as the ORM does)."""
-    _, converters = _job_columns()
-    names = [field.attname for field in Job._meta.concrete_fields]
-    jobs = []
-    for row in rows:
-        values = list(row[:len(names)])
-        for index, expression, functions in converters:
-            value = values[index]
-            for function in functions:
-                value = function(value, expression, connection)
-            values[index] = value
-        jobs.append(Job.from_db(connection.alias, names, values))
-    return jobs
+    return [JOB_ROWS.load(row) for row in rows]
 
 
 def _trace_fields(job: Job) -> dict[str, str]:

@@ -54,7 +54,7 @@ def _complete_sql() -> str:
     if connection.vendor not in _COMPLETE_SQL:
         qn = connection.ops.quote_name
         job = qn(Job._meta.db_table)
-        columns, _ = _job_columns()
+        columns = _job_columns()
         if connection.vendor == "postgresql":
             source = ("unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(results)s::text[])"
                       " AS v(id, attempt, result)")

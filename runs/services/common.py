@@ -8,7 +8,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Subquery
 from django.utils import timezone
 from django_fsm import can_proceed
@@ -18,6 +18,7 @@ from core.errors import (
     NotFound,
 )
 from core.services import audit_record, row_lock, transition_log
+from core.sql import ModelRows, hot_cursor
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -75,15 +76,10 @@ class RunTree:
     def __init__(self, run: Run, *, steps: list[Step] | None = None):
         """``steps``: the attempt's steps just created (with their tasks and agents), not read again."""
         self.attempt_number = run.attempt_number
-        # Each table filtered by its own run index (the run's rows only, whatever the planner's
-        # statistics say: a fresh or just-grown table must not be joined whole).
-        rows = steps if steps is not None else Step.objects.filter(
-            run=run, task__run=run, task__agent__run=run,
-            task__agent__attempt_number=run.attempt_number).select_related("task__agent")
         self.agents: dict[int, Agent] = {}
         self.tasks: dict[int, Task] = {}
         self.steps: dict[int, Step] = {}
-        for step in rows:
+        for step in steps if steps is not None else self._read(run):
             task = self.tasks.setdefault(step.task_id, step.task)
             task.agent = self.agents.setdefault(task.agent_id, task.agent)
             step.task = task
@@ -94,6 +90,29 @@ class RunTree:
         self._steps_of: dict[int, list[Step]] = {}
         for step in sorted(self.steps.values(), key=lambda s: s.sequence):
             self._steps_of.setdefault(step.task_id, []).append(step)
+
+    def _read(self, run: Run) -> list[Step]:
+        """The steps with their tasks and agents, one object per node, in one prepared statement."""
+        with hot_cursor() as cursor:
+            cursor.execute(_tree_sql(), [run.pk, run.pk, run.pk, run.attempt_number])
+            rows = cursor.fetchall()
+        tasks: dict[int, Task] = {}
+        agents: dict[int, Agent] = {}
+        steps = []
+        task_at, agent_at = _STEP_ROWS.width, _STEP_ROWS.width + _TASK_ROWS.width
+        task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
+        for row in rows:
+            step = _STEP_ROWS.load(row)
+            task = tasks.get(row[task_pk])
+            if task is None:
+                task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
+                agent = agents.get(row[agent_pk])
+                if agent is None:
+                    agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
+                task.agent = agent
+            step.task = task
+            steps.append(step)
+        return steps
 
     def agents_in_order(self) -> list[Agent]:
         return sorted(self.agents.values(), key=lambda a: a.sequence)
@@ -107,6 +126,25 @@ class RunTree:
     def holds(self, node) -> bool:
         nodes = self.steps if isinstance(node, Step) else self.tasks if isinstance(node, Task) else self.agents
         return nodes.get(node.pk) is node
+
+
+_STEP_ROWS, _TASK_ROWS, _AGENT_ROWS = ModelRows(Step), ModelRows(Task), ModelRows(Agent)
+_TREE_SQL: dict[str, str] = {}
+
+
+def _tree_sql() -> str:
+    """The current attempt's nodes of a run: each table filtered by its own run index (the run's
+    rows only, whatever the planner's statistics say: a fresh or just-grown table is never joined
+    whole); no order (the tree sorts its levels)."""
+    vendor = connection.vendor
+    if vendor not in _TREE_SQL:
+        qn = connection.ops.quote_name
+        step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+        _TREE_SQL[vendor] = (
+            f"SELECT {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('a')}"
+            f" FROM {step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} a ON a.id = t.agent_id"
+            " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s")
+    return _TREE_SQL[vendor]
 
 
 def _run_tree(run: Run) -> RunTree:
