@@ -71,6 +71,7 @@ class ModelRows:
         self.names = [field.attname for field in self.fields]
         self.width = len(self.fields)
         self._converters: dict[str, list] = {}
+        self._by_pk: dict[tuple[str, bool], str] = {}
 
     def columns(self, alias: str) -> str:
         qn = connection.ops.quote_name
@@ -87,6 +88,21 @@ class ModelRows:
                     found.append((index, expression, functions))
             self._converters[connection.vendor] = found
         return found
+
+    def by_pk(self, pk, *, lock: bool = False):
+        """The row whose primary key is ``pk`` (``lock``: ``FOR UPDATE`` where the database has it),
+        or None: one prepared statement, not compiled per call."""
+        key = (connection.vendor, lock)
+        sql = self._by_pk.get(key)
+        if sql is None:
+            qn = connection.ops.quote_name
+            suffix = " FOR UPDATE" if lock and connection.features.has_select_for_update else ""
+            sql = self._by_pk[key] = (f"SELECT {self.columns('m')} FROM {qn(self.model._meta.db_table)} m"
+                                      f" WHERE m.{qn(self.model._meta.pk.column)} = %s{suffix}")
+        with hot_cursor() as cursor:
+            cursor.execute(sql, [pk])
+            row = cursor.fetchone()
+        return None if row is None else self.load(row)
 
     def load(self, row, start: int = 0):
         """The instance whose values are ``row[start:start + width]``."""

@@ -31,6 +31,7 @@ from billing.services import account_charge
 from core.errors import ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
+from core.sql import ModelRows
 from core.timefmt import isoformat_or_none
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
@@ -250,11 +251,16 @@ def _command_record_in(*, project: Project, kind: str, key: str, args: dict, dig
     return record, True
 
 
+_RECORD_ROWS = ModelRows(CommandRecord)
+
+
 def _command_succeed(*, record_id: int, organization_id: int, result: Any,
                      on_success: Callable[[CommandResult], Any] | None = None,
                      emit: Callable[..., Any] | None = None) -> CommandRecord:
     with transaction.atomic(durable=True):
-        record = CommandRecord.objects.select_for_update().get(pk=record_id)
+        record = _RECORD_ROWS.by_pk(record_id, lock=True)
+        if record is None:
+            raise CommandRecord.DoesNotExist(f"command {record_id} does not exist")
         if record.status == CommandStatus.SUCCEEDED:
             if on_success is not None:
                 on_success(CommandResult(record, record.result, replayed=True))

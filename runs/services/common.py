@@ -9,7 +9,6 @@ from typing import Any, Callable
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Subquery
 from django.utils import timezone
 from django_fsm import can_proceed
 
@@ -17,6 +16,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
+from core.models import Project
 from core.services import audit_record, row_lock, transition_log
 from core.sql import ModelRows, hot_cursor
 from runs.events import node_event, run_event
@@ -56,13 +56,28 @@ def _lock_run(run_id: int) -> Run:
     return row_lock(Run, run_id, entity="run")
 
 
+_RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
+_LOCK_RUN_OF_SQL: dict[tuple[str, type], str] = {}
+
+
 def _lock_run_of(model, pk: int, *, entity: str) -> Run:
     """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
-    one statement (its id read in a subquery); ``NotFound`` when there is no such row."""
-    run = (Run.objects.select_for_update(of=("self",)).select_related("project")
-           .filter(pk=Subquery(model.objects.filter(pk=pk).values("run_id"))).first())
-    if run is None:
+    one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row."""
+    key = (connection.vendor, model)
+    if key not in _LOCK_RUN_OF_SQL:
+        qn = connection.ops.quote_name
+        lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
+        _LOCK_RUN_OF_SQL[key] = (
+            f"SELECT {_RUN_ROWS.columns('r')}, {_PROJECT_ROWS.columns('p')} FROM {qn(Run._meta.db_table)} r"
+            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id"
+            f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
+    with hot_cursor() as cursor:
+        cursor.execute(_LOCK_RUN_OF_SQL[key], [pk])
+        row = cursor.fetchone()
+    if row is None:
         raise NotFound(f"{entity} {pk} does not exist")
+    run = _RUN_ROWS.load(row)
+    run.project = _PROJECT_ROWS.load(row, _RUN_ROWS.width)
     return run
 
 
@@ -232,10 +247,25 @@ def _current_attempt(run: Run) -> RunAttempt | None:
     cached = run.__dict__.get("_attempt")
     if cached is not None and scope is not None and cached[0] is scope and cached[1] == run.attempt_number:
         return cached[2]
-    attempt = RunAttempt.objects.filter(run=run, number=run.attempt_number).first()
+    with hot_cursor() as cursor:
+        cursor.execute(_current_attempt_sql(), [run.pk, run.attempt_number])
+        row = cursor.fetchone()
+    attempt = _ATTEMPT_ROWS.load(row) if row is not None else None
     if scope is not None and attempt is not None:
         run.__dict__["_attempt"] = (scope, run.attempt_number, attempt)
     return attempt
+
+
+_ATTEMPT_ROWS = ModelRows(RunAttempt)
+_ATTEMPT_SQL: dict[str, str] = {}
+
+
+def _current_attempt_sql() -> str:
+    if connection.vendor not in _ATTEMPT_SQL:
+        _ATTEMPT_SQL[connection.vendor] = (
+            f"SELECT {_ATTEMPT_ROWS.columns('a')} FROM {connection.ops.quote_name(RunAttempt._meta.db_table)} a"
+            " WHERE a.run_id = %s AND a.number = %s")
+    return _ATTEMPT_SQL[connection.vendor]
 
 
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:

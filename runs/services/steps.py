@@ -17,6 +17,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
+from core.sql import ModelRows
 from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
@@ -172,11 +173,16 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     return attempt
 
 
+_STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
+
+
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
     """The attempt, its step and its run (locked); the step is the run tree's own object when the
     attempt belongs to the current attempt of the run."""
     run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
-    attempt = StepAttempt.objects.get(pk=attempt_id)
+    attempt = _STEP_ATTEMPT_ROWS.by_pk(attempt_id)  # read under the run's lock: settled or not
+    if attempt is None:
+        raise NotFound(f"step attempt {attempt_id} does not exist")
     step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
         pk=attempt.step_id)
     return run, attempt, step
