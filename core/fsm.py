@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from django_fsm import ConcurrentTransitionMixin, FSMFieldMixin, transition
+from django.db import connection
+from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
+
+from core.sql import hot_cursor
 
 _STATE_FIELDS: dict[type, tuple] = {}
+_UPDATE_SQL: dict[tuple, tuple[str, list]] = {}
 
 
 class ConcurrentTransitions(ConcurrentTransitionMixin):
@@ -31,6 +35,33 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
             fields = _STATE_FIELDS[cls] = tuple(field for field in cls._meta.fields
                                                 if isinstance(field, FSMFieldMixin))
         return fields
+
+    def save_moved(self, fields: tuple[str, ...]) -> None:
+        """``save(update_fields=fields)`` of a row whose state moved, as one prepared ``UPDATE``
+        (built once per model and fields): written only while its state fields still hold what
+        was read (``ConcurrentTransition`` otherwise, as ``save`` raises). No ``pre_save`` or
+        ``post_save`` signal is sent, and ``auto_now`` fields are not touched: for models that
+        need neither (the run's nodes)."""
+        cls = type(self)
+        key = (connection.vendor, cls, fields)
+        if key not in _UPDATE_SQL:
+            qn = connection.ops.quote_name
+            meta = cls._meta
+            columns = [meta.get_field(name) for name in fields]
+            sets = ", ".join(f"{qn(field.column)} = %s" for field in columns)
+            where = "".join(f" AND {qn(field.column)} = %s" for field in self.state_fields)
+            _UPDATE_SQL[key] = (f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {qn(meta.pk.column)} = %s{where}",
+                                columns)
+        sql, columns = _UPDATE_SQL[key]
+        initial = self._ConcurrentTransitionMixin__initial_states
+        params = [field.get_db_prep_save(getattr(self, field.attname), connection) for field in columns]
+        params += [self.pk, *(initial[field.attname] for field in self.state_fields)]
+        with hot_cursor() as cursor:
+            cursor.execute(sql, params)
+            updated = cursor.rowcount
+        if updated != 1:
+            raise ConcurrentTransition(f"{cls.__name__} {self.pk}: its state changed since it was read, or it is gone")
+        self._update_initial_state()
 
 
 class StateMove:

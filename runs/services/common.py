@@ -310,7 +310,7 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         node.finished_at = now
     if error is not None:
         node.last_error_code, node.last_error = error
-    node.save(update_fields=node.MOVING_FIELDS)
+    node.save_moved(node.MOVING_FIELDS)
     if isinstance(node, Task) and run.gated:
         bookkeeping.phase_moved(run, node, action=action)
     entity = type(node).__name__.lower()

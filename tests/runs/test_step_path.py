@@ -121,3 +121,23 @@ def test_outside_a_batch_an_event_is_written_at_once():
     with transaction.atomic():
         outbox.run_event_record(type="alone", organization_id=None)
         assert Event.objects.filter(type="alone").count() == 1
+
+
+def test_a_node_write_refuses_a_copy_whose_state_moved_since_it_was_read(project):
+    from django_fsm import ConcurrentTransition
+
+    from runs.models import Step
+
+    run = services.run_create(project=project, name="copies", plan=make_plan(steps=1))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    first, second = Step.objects.get(run=run), Step.objects.get(run=run)
+    first.begin()
+    first.save_moved(first.MOVING_FIELDS)
+    second.begin()  # pending → running again on a stale copy: the row is running already
+    with pytest.raises(ConcurrentTransition), transaction.atomic():
+        second.save_moved(second.MOVING_FIELDS)
+    assert Step.objects.get(pk=first.pk).status == "running"
+    first.complete()
+    first.save_moved(first.MOVING_FIELDS)  # the copy that moved it goes on from what it wrote
+    assert Step.objects.get(pk=first.pk).status == "completed"
