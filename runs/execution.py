@@ -183,18 +183,20 @@ class _Chain:
         if run.status != Run.Status.RUNNING:
             return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
         steps = services.runnable_steps(run)
-        # Steps whose job is on the way (a new one would be dropped); every run_step job of the run
-        # is enqueued or pointed at its step under the run's lock, so none can appear meanwhile.
-        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
+        # Every run_step job of the run is enqueued or pointed at its step under the run's lock, so
+        # which steps have a job on the way cannot change meanwhile: the retarget skips a step whose
+        # key a job holds, and the other steps are looked up together.
         mine = None
         for step in steps:
-            if (step.kind == Step.Kind.TOOL and (step.pk, step.attempts) not in queued and self._may_go_on(step)
+            if (step.kind == Step.Kind.TOOL and self._may_go_on(step)
                     and job_retarget(job_id=self.ctx.job_id, attempt=self.ctx.attempt, job_type=RUN_STEP.type,
                                      project_id=run.project_id, savepoint=False,
                                      payload={"run": run.pk, "step": step.pk, "round": step.attempts})):
                 mine = step
                 break
-        others = [step for step in steps if step is not mine and (step.pk, step.attempts) not in queued]
+        others = [step for step in steps if step is not mine]
+        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in others])
+        others = [step for step in others if (step.pk, step.attempts) not in queued]  # else its job is on the way
         if others:
             run_events_flush()  # the settlement's events before the jobs' own
         for step in others:

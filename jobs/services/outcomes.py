@@ -8,6 +8,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models import Exists
 from django.utils import timezone
 
 from core.services import audit_record, events_record, row_lock, transition_log
@@ -166,8 +167,9 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     False, and nothing written, when the attempt is no longer current or an active job of the
     same type already holds the new dedupe key (that job does the work). Only the unique dedupe
     key can conflict: that one statement runs under a savepoint. ``savepoint=False``: the caller
-    has seen under its own lock that no active job holds the key (a conflict then fails its
-    transaction, as any other failed statement would).
+    holds a lock every writer of such keys holds, so the statement itself checks that no active
+    job holds the key (a conflict past that check fails the caller's transaction, as any failed
+    statement would).
     """
     definition = definition_get(job_type)
     if definition is None:
@@ -178,7 +180,8 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     values = {"payload": payload, "dedupe_key": key or "", "active_dedupe_key": f"{definition.type}:{key}" if key else None,
               "updated_at": timezone.now()}
     if not savepoint:
-        return current.update(**values) == 1
+        held = Job.objects.filter(active_dedupe_key=values["active_dedupe_key"])
+        return current.filter(~Exists(held)).update(**values) == 1
     try:
         with transaction.atomic():
             updated = current.update(**values)

@@ -429,6 +429,35 @@ def test_wakes_within_the_window_share_one_message_sent_when_the_window_ends(set
     assert sent == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("savepoint", [True, False])
+def test_a_retarget_points_an_executing_attempt_at_new_work_unless_an_active_job_holds_its_key(
+        project, define_job, savepoint):
+    from django.db import transaction
+
+    from jobs.services import job_retarget
+
+    define_job(type="keyed", run=lambda ctx, p: p["n"], lane=lambda p, pid: "",
+               dedupe=Dedupe("drop_duplicate", key=lambda p, pid: str(p["n"])))
+    first, other = enqueue(project, "keyed", n=1), enqueue(project, "keyed", n=2)
+    claimed = job_claim(worker="w1")
+    assert claimed.pk == first.pk
+
+    def retarget(n, attempt=1):
+        with transaction.atomic():
+            return job_retarget(job_id=first.pk, attempt=attempt, job_type="keyed", project_id=project.pk,
+                                payload={"n": n}, savepoint=savepoint)
+
+    assert retarget(2) is False  # the waiting job holds that key: it does that work
+    first.refresh_from_db()
+    assert first.payload == {"n": 1} and first.active_dedupe_key == "keyed:1"
+    assert retarget(3, attempt=2) is False  # not the current attempt
+    assert retarget(3) is True
+    first.refresh_from_db()
+    assert first.payload == {"n": 3} and first.active_dedupe_key == "keyed:3" and first.state == "executing"
+    other.refresh_from_db()
+    assert other.payload == {"n": 2} and other.state == "queued"
+
+
 def test_hooks_run_after_commit(project, define_job, django_capture_on_commit_callbacks):
     seen = []
     define_job(type="hooked", run=lambda ctx, p: "r", on_queued=lambda job: seen.append(("queued", job.state)),
