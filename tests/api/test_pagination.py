@@ -1,5 +1,5 @@
-"""The large collections (runs, jobs, ledger) page by id cursor without counting the whole table;
-``?page=`` keeps the page-number answer."""
+"""The large collections (runs, jobs, ledger) page by id cursor without counting the whole table
+(``count`` exact up to a small bound, API 1.1); ``?page=`` keeps the page-number answer."""
 
 from __future__ import annotations
 
@@ -44,10 +44,31 @@ def test_count_is_null_beyond_the_limit(tenant, settings):
     settings.ORCHESTRATOR_API_COUNT_LIMIT = 2
     for _ in range(3):
         create_run(tenant)
-    page = tenant.client.get("/api/v1/runs/").json()
-    assert page["count"] is None and len(page["results"]) == 3
+    page = tenant.client.get("/api/v1/runs/?page_size=2").json()
+    assert page["count"] is None and len(page["results"]) == 2
+    assert tenant.client.get(page["next"]).json()["count"] is None
     settings.ORCHESTRATOR_API_COUNT_LIMIT = 3
-    assert tenant.client.get("/api/v1/runs/").json()["count"] == 3
+    assert tenant.client.get("/api/v1/runs/?page_size=2").json()["count"] == 3
+
+
+def test_a_first_page_holding_every_row_is_its_own_count(tenant, settings):
+    settings.ORCHESTRATOR_API_COUNT_LIMIT = 2  # below the rows: the count comes from the page itself
+    for _ in range(3):
+        create_run(tenant)
+    with CaptureQueriesContext(connection) as queries:
+        page = tenant.client.get("/api/v1/runs/").json()
+    assert page["count"] == 3 and len(page["results"]) == 3 and page["next"] is None
+    assert not any("COUNT(" in q["sql"].upper() for q in queries.captured_queries if "runs_run" in q["sql"])
+    with CaptureQueriesContext(connection) as queries:
+        assert tenant.client.get("/api/v1/runs/?page_size=2").json()["count"] is None
+    assert sum("COUNT(" in q["sql"].upper() for q in queries.captured_queries if "runs_run" in q["sql"]) == 1
+
+
+def test_the_schema_names_the_version_and_the_bound(tenant):
+    schema = tenant.client.get("/api/schema/?format=json").json()
+    assert schema["info"]["version"] == "1.1.0" and "1,000" in schema["info"]["description"]
+    described = schema["components"]["schemas"]["PaginatedRunList"]["properties"]["count"]["description"]
+    assert "1,000" in described and "API 1.1" in described
 
 
 def test_page_numbers_answer_as_before(tenant):
