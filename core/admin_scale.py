@@ -5,7 +5,10 @@
 * **Counts.** The unfiltered list shows the planner's estimate on PostgreSQL
   (``pg_class.reltuples``) as "about N"; a filtered list counts at most
   ``ORCHESTRATOR_ADMIN_COUNT_LIMIT`` + 1 rows (``SELECT count(*) FROM (SELECT ... LIMIT n)``)
-  and shows "10,000+" beyond. A small table is always counted exactly.
+  and shows "10,000+" beyond. A small table is always counted exactly. A filter whose condition
+  is an OR of several index ranges (the runs' "stuck") gives the admin's ``list_count_parts``
+  its disjoint parts: they are counted together up to the same bound, each along its index
+  (``core.sql.union_count``), not as one OR that the planner reads as a bitmap of them all.
 * **Page numbers** stop at ``ORCHESTRATOR_ADMIN_MAX_PAGES`` (a larger ``?p=`` is an invalid
   page, as a page past the end always was), so no page reads a deep OFFSET.
 * **Older pages by keyset.** When the list is in its default order (newest first), every page
@@ -30,7 +33,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.translation import gettext
 
-from core.sql import subqueries_row
+from core.sql import subqueries_row, union_count
 
 CURSOR_VAR = "cursor"
 PER_PAGE_VAR = "rows"  # not "per_page": a link that drops "p" (the page) drops every key starting with it
@@ -72,10 +75,17 @@ class ScaledPaginator(Paginator):
         super().__init__(object_list, per_page, orphans, allow_empty_first_page)
         self.count_kind = "exact"
 
+    count_parts = None  # disjoint querysets whose rows together are the list's (see the module docstring)
+
     @cached_property
     def count(self):
         queryset = self.object_list
         limit = settings.ORCHESTRATOR_ADMIN_COUNT_LIMIT
+        if self.count_parts is not None:
+            found = union_count(self.count_parts, limit=limit + 1)
+            if found > limit:
+                self.count_kind = "at_least"
+            return found
         answer = None if queryset.query.has_filters() else estimate_or_count(queryset, limit)
         if answer is not None and answer[1]:
             self.count_kind = "estimate"
@@ -153,6 +163,8 @@ class ScaledChangeList(ChangeList):
 
     def get_results(self, request):
         self._apply_per_page(request)
+        # Read by the admin's get_paginator (Django's get_results makes the paginator itself).
+        request.scaled_list_count_parts = self.model_admin.list_count_parts(request, self)
         if self.keyset_cursor is not None and not self.keyset_ready:
             raise IncorrectLookupParameters(f"{CURSOR_VAR} pages only the default ordering")
         if self.keyset_cursor is None:
@@ -192,6 +204,16 @@ class ScaledListMixin:
 
     def get_changelist(self, request, **kwargs):
         return ScaledChangeList
+
+    def get_paginator(self, request, queryset, per_page, orphans=0, allow_empty_first_page=True):
+        paginator = super().get_paginator(request, queryset, per_page, orphans, allow_empty_first_page)
+        paginator.count_parts = getattr(request, "scaled_list_count_parts", None)
+        return paginator
+
+    def list_count_parts(self, request, changelist):
+        """Disjoint querysets whose rows together are the list's, for its bounded count, when one
+        plain count would read more than the rows it counts (None: count the list's queryset)."""
+        return None
 
     def action_checkbox(self, obj):
         """The stock row checkbox, written directly: rendering a form widget's template for each

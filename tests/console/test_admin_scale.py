@@ -185,6 +185,17 @@ def test_the_lists_their_filters_and_deep_pages_seek_indexes(viewer_client, proj
                 f"{url} {params}\n{query['sql']}\n{plan}"
     assert "about" in viewer_client.get(RUNS).context["cl"].paginator.count_label
 
+    # The stuck list is counted by the parts of the rule, each along its index, under one bound:
+    # not the rule as one OR (a bitmap of every live run, then the table's rows).
+    with CaptureQueriesContext(connection) as queries:
+        assert viewer_client.get(RUNS, {"stuck": "yes"}).status_code == 200
+    counts = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT COUNT(*)")]
+    assert len(counts) == 1 and "UNION ALL" in counts[0]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF) {counts[0]}")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "BitmapOr" not in plan and "Seq Scan" not in plan, plan
+
     # The dashboard's reads of runs (bounded counts by status and of each stuck part, the stuck
     # list) seek indexes too: none reads the runs table, not even under a limit.
     with CaptureQueriesContext(connection) as queries:
