@@ -284,19 +284,14 @@ def top_values_filter(field: str, title: str, *, limit: int = 20, sample: int = 
 
         def lookups(self, request, model_admin):
             model = model_admin.model
-            # Read once per request: a list that counts by parts builds its filters twice.
-            cache = request.__dict__.setdefault("_top_values", {})
-            key = (model._meta.label, field, sample, limit)
-            if key not in cache:
-                connection = connections[router.db_for_read(model)]
-                qn = connection.ops.quote_name
-                column, pk = qn(model._meta.get_field(field).column), qn(model._meta.pk.column)
-                with connection.cursor() as cursor:
-                    cursor.execute(f"SELECT value, COUNT(*) AS n FROM (SELECT {column} AS value FROM "
-                                   f"{qn(model._meta.db_table)} ORDER BY {pk} DESC LIMIT %s) AS latest WHERE "
-                                   "value <> '' GROUP BY value ORDER BY n DESC, value LIMIT %s", [sample, limit])
-                    cache[key] = cursor.fetchall()
-            rows = cache[key]
+            connection = connections[router.db_for_read(model)]
+            qn = connection.ops.quote_name
+            column, pk = qn(model._meta.get_field(field).column), qn(model._meta.pk.column)
+            with connection.cursor() as cursor:
+                cursor.execute(f"SELECT value, COUNT(*) AS n FROM (SELECT {column} AS value FROM "
+                               f"{qn(model._meta.db_table)} ORDER BY {pk} DESC LIMIT %s) AS latest "
+                               "WHERE value <> '' GROUP BY value ORDER BY n DESC, value LIMIT %s", [sample, limit])
+                rows = cursor.fetchall()
             choices = [(value, f"{value} ({n})") for value, n in rows]
             if self.value() and self.value() not in {value for value, _ in choices}:
                 choices.append((self.value(), self.value()))

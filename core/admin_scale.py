@@ -129,6 +129,13 @@ class ScaledChangeList(ChangeList):
         if self.keyset_cursor is not None:
             self.keyset_newest_url = self.get_query_string(remove=[CURSOR_VAR, PAGE_VAR])
 
+    def get_filters(self, request):
+        # The list filters are built once per list (their choices may be read from the tables): a
+        # list counted by parts asks for its queryset again, without one of them.
+        if getattr(self, "_filters", None) is None:
+            self._filters = super().get_filters(request)
+        return self._filters
+
     def get_queryset(self, request, exclude_parameters=None):
         queryset = super().get_queryset(request, exclude_parameters)
         defer = getattr(self.model_admin, "list_defer", ())
