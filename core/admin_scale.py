@@ -71,11 +71,11 @@ class ScaledPaginator(Paginator):
     """A paginator whose ``count`` is cheap: see the module docstring. ``count_kind`` says what the
     number is ("exact", "estimate" or "at_least") and ``count_label`` how to show it."""
 
+    count_parts = None  # disjoint querysets whose rows together are the list's (see the module docstring)
+
     def __init__(self, object_list, per_page, orphans=0, allow_empty_first_page=True):
         super().__init__(object_list, per_page, orphans, allow_empty_first_page)
         self.count_kind = "exact"
-
-    count_parts = None  # disjoint querysets whose rows together are the list's (see the module docstring)
 
     @cached_property
     def count(self):
