@@ -10,7 +10,8 @@
   its disjoint parts: they are counted together up to the same bound, each along its index
   (``core.sql.union_count``), not as one OR that the planner reads as a bitmap of them all.
 * **Page numbers** stop at ``ORCHESTRATOR_ADMIN_MAX_PAGES`` (a larger ``?p=`` is an invalid
-  page, as a page past the end always was), so no page reads a deep OFFSET.
+  page, as a page past the end always was), so no page reads a deep OFFSET; a page past the
+  first skips rows by their ids alone, then reads its own rows.
 * **Older pages by keyset.** When the list is in its default order (newest first), every page
   links "older →" to ``?cursor=<last id shown>``: that page is read with ``WHERE id < cursor
   ORDER BY id DESC LIMIT n``, an index seek whatever its depth. A list sorted by a column
@@ -29,6 +30,7 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
+from django.db.models import QuerySet
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.translation import gettext
@@ -94,6 +96,19 @@ class ScaledPaginator(Paginator):
         if found > limit:
             self.count_kind = "at_least"
         return found
+
+    def page(self, number):
+        """A page past the first reads its rows' ids first (the OFFSET walks ids alone, not the
+        joins and annotations of every skipped row), then those rows, in the list's order."""
+        number = self.validate_number(number)
+        bottom = (number - 1) * self.per_page
+        if bottom == 0 or not isinstance(self.object_list, QuerySet):
+            return super().page(number)
+        top = bottom + self.per_page
+        if top + self.orphans >= self.count:
+            top = self.count
+        ids = list(self.object_list.values_list("pk", flat=True)[bottom:top])
+        return self._get_page(self.object_list.filter(pk__in=ids), number, self)
 
     @cached_property
     def num_pages(self):
