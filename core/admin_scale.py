@@ -5,9 +5,13 @@
 * **Counts.** The unfiltered list shows the planner's estimate on PostgreSQL
   (``pg_class.reltuples``) as "about N"; a filtered list counts at most
   ``ORCHESTRATOR_ADMIN_COUNT_LIMIT`` + 1 rows (``SELECT count(*) FROM (SELECT ... LIMIT n)``)
-  and shows "10,000+" beyond. A small table is always counted exactly.
+  and shows "10,000+" beyond. A small table is always counted exactly. A filter whose condition
+  is an OR of several index ranges (the runs' "stuck") gives the admin's ``list_count_parts``
+  its disjoint parts: they are counted together up to the same bound, each along its index
+  (``core.sql.union_count``), not as one OR that the planner reads as a bitmap of them all.
 * **Page numbers** stop at ``ORCHESTRATOR_ADMIN_MAX_PAGES`` (a larger ``?p=`` is an invalid
-  page, as a page past the end always was), so no page reads a deep OFFSET.
+  page, as a page past the end always was), so no page reads a deep OFFSET; a page past the
+  first skips rows by their ids alone, then reads its own rows.
 * **Older pages by keyset.** When the list is in its default order (newest first), every page
   links "older →" to ``?cursor=<last id shown>``: that page is read with ``WHERE id < cursor
   ORDER BY id DESC LIMIT n``, an index seek whatever its depth. A list sorted by a column
@@ -26,11 +30,12 @@ from django.contrib.admin.options import IncorrectLookupParameters
 from django.contrib.admin.views.main import ORDER_VAR, PAGE_VAR, ChangeList
 from django.core.paginator import Paginator
 from django.db import connections
+from django.db.models import QuerySet
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.translation import gettext
 
-from core.sql import subqueries_row
+from core.sql import subqueries_row, union_count
 
 CURSOR_VAR = "cursor"
 PER_PAGE_VAR = "rows"  # not "per_page": a link that drops "p" (the page) drops every key starting with it
@@ -68,6 +73,8 @@ class ScaledPaginator(Paginator):
     """A paginator whose ``count`` is cheap: see the module docstring. ``count_kind`` says what the
     number is ("exact", "estimate" or "at_least") and ``count_label`` how to show it."""
 
+    count_parts = None  # disjoint querysets whose rows together are the list's (see the module docstring)
+
     def __init__(self, object_list, per_page, orphans=0, allow_empty_first_page=True):
         super().__init__(object_list, per_page, orphans, allow_empty_first_page)
         self.count_kind = "exact"
@@ -76,6 +83,11 @@ class ScaledPaginator(Paginator):
     def count(self):
         queryset = self.object_list
         limit = settings.ORCHESTRATOR_ADMIN_COUNT_LIMIT
+        if self.count_parts is not None:
+            found = union_count(self.count_parts, limit=limit + 1)
+            if found > limit:
+                self.count_kind = "at_least"
+            return found
         answer = None if queryset.query.has_filters() else estimate_or_count(queryset, limit)
         if answer is not None and answer[1]:
             self.count_kind = "estimate"
@@ -84,6 +96,19 @@ class ScaledPaginator(Paginator):
         if found > limit:
             self.count_kind = "at_least"
         return found
+
+    def page(self, number):
+        """A page past the first reads its rows' ids first (the OFFSET walks ids alone, not the
+        joins and annotations of every skipped row), then those rows, in the list's order."""
+        number = self.validate_number(number)
+        bottom = (number - 1) * self.per_page
+        if bottom == 0 or not isinstance(self.object_list, QuerySet):
+            return super().page(number)
+        top = bottom + self.per_page
+        if top + self.orphans >= self.count:
+            top = self.count
+        ids = list(self.object_list.values_list("pk", flat=True)[bottom:top])
+        return self._get_page(self.object_list.filter(pk__in=ids), number, self)
 
     @cached_property
     def num_pages(self):
@@ -119,6 +144,13 @@ class ScaledChangeList(ChangeList):
         if self.keyset_cursor is not None:
             self.keyset_newest_url = self.get_query_string(remove=[CURSOR_VAR, PAGE_VAR])
 
+    def get_filters(self, request):
+        # The list filters are built once per list (their choices may be read from the tables): a
+        # list counted by parts asks for its queryset again, without one of them.
+        if getattr(self, "_filters", None) is None:
+            self._filters = super().get_filters(request)
+        return self._filters
+
     def get_queryset(self, request, exclude_parameters=None):
         queryset = super().get_queryset(request, exclude_parameters)
         defer = getattr(self.model_admin, "list_defer", ())
@@ -153,6 +185,8 @@ class ScaledChangeList(ChangeList):
 
     def get_results(self, request):
         self._apply_per_page(request)
+        # Read by the admin's get_paginator (Django's get_results makes the paginator itself).
+        request.scaled_list_count_parts = self.model_admin.list_count_parts(request, self)
         if self.keyset_cursor is not None and not self.keyset_ready:
             raise IncorrectLookupParameters(f"{CURSOR_VAR} pages only the default ordering")
         if self.keyset_cursor is None:
@@ -192,6 +226,16 @@ class ScaledListMixin:
 
     def get_changelist(self, request, **kwargs):
         return ScaledChangeList
+
+    def get_paginator(self, request, queryset, per_page, orphans=0, allow_empty_first_page=True):
+        paginator = super().get_paginator(request, queryset, per_page, orphans, allow_empty_first_page)
+        paginator.count_parts = getattr(request, "scaled_list_count_parts", None)
+        return paginator
+
+    def list_count_parts(self, request, changelist):
+        """Disjoint querysets whose rows together are the list's, for its bounded count, when one
+        plain count would read more than the rows it counts (None: count the list's queryset)."""
+        return None
 
     def action_checkbox(self, obj):
         """The stock row checkbox, written directly: rendering a form widget's template for each

@@ -5,7 +5,8 @@
 * ``KeysetPagination`` — the large collections (runs, jobs, ledger entries): newest first, a
   page is read by seeking past the previous page's last id (``?cursor=``, opaque), so a deep page
   costs what the first one does and no request counts the whole table. ``count`` is exact up to
-  ``ORCHESTRATOR_API_COUNT_LIMIT`` matching rows and ``null`` beyond. A request that names
+  ``ORCHESTRATOR_API_COUNT_LIMIT`` (1,000) matching rows and ``null`` beyond; a first page that
+  holds every matching row is its own count (no count query). A request that names
   ``?page=`` still gets the page-number answer (exact count, ``?page=N`` links) for clients
   written against it; that form costs a full count and an OFFSET and is kept for compatibility.
 """
@@ -47,8 +48,12 @@ class KeysetPagination(CursorPagination):
         if self.page_query_param in request.query_params:
             self.legacy = PagePagination()
             return self.legacy.paginate_queryset(queryset, request, view)
-        self.count = bounded_count(queryset, settings.ORCHESTRATOR_API_COUNT_LIMIT)
-        return super().paginate_queryset(queryset, request, view)
+        page = super().paginate_queryset(queryset, request, view)
+        if self.cursor is None and not self.has_next and page is not None:
+            self.count = len(page)  # the first page holds them all: no count query
+        else:
+            self.count = bounded_count(queryset, settings.ORCHESTRATOR_API_COUNT_LIMIT)
+        return page
 
     def get_paginated_response(self, data):
         if self.legacy is not None:
@@ -62,7 +67,8 @@ class KeysetPagination(CursorPagination):
             described["properties"][link]["example"] = "https://console.example.org/api/v1/runs/?cursor=cD00ODY%3D"
         described["properties"] = {
             "count": {"type": "integer", "nullable": True,
-                      "description": "matching rows, exact up to ORCHESTRATOR_API_COUNT_LIMIT; null beyond"},
+                      "description": ("matching rows, exact up to ORCHESTRATOR_API_COUNT_LIMIT (1,000 "
+                                     "by default since API 1.1; 10,000 before); null beyond")},
             **described["properties"]}
         return described
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from django.db import connection
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -132,15 +135,31 @@ RUN_FIELDS = ("id", "organization_id", "project_id", "name", "status", "status_r
               "credits_refunded", "replan_count", "mode")
 RUN_TIMES = ("created_at", "updated_at", "status_changed_at", "started_at", "completed_at", "cancelled_at",
              "last_heartbeat")
+# The columns ``run_as_dict`` reads: a list fetches these as plain rows (no model instances).
+RUN_LIST_COLUMNS = (*RUN_FIELDS, *RUN_TIMES, "last_error_code", "last_error", "duration_ms")
+
+
+def runs_as_dicts(rows) -> list[dict]:
+    """``run_as_dict`` of plain rows (``values(*RUN_LIST_COLUMNS)``): a page of runs without
+    building a model instance (and its state-machine bookkeeping) for each."""
+    return [run_as_dict(SimpleNamespace(**row)) for row in rows]
 
 
 def run_as_dict(run: Run) -> dict:
-    """A run's API form (built directly: this is the hot path of GET runs/ and runs/{id}/)."""
+    """A run's API form (built directly: this is the hot path of GET runs/ and runs/{id}/). Its
+    moments are written as DRF's ``DateTimeField`` writes them (ISO 8601 in the current time zone,
+    ``Z`` for UTC), with the time zone looked up once per run instead of once per moment."""
     data = {name.removesuffix("_id"): getattr(run, name) for name in RUN_FIELDS}
     data["last_error"] = {"code": run.last_error_code, "message": run.last_error} if run.last_error_code else None
+    zone = timezone.get_current_timezone()
     for name in RUN_TIMES:
         value = getattr(run, name)
-        data[name] = _DATETIME.to_representation(value) if value is not None else None
+        if value is None:
+            data[name] = None
+            continue
+        written = value.astimezone(zone).isoformat() if timezone.is_aware(value) else \
+            _DATETIME.to_representation(value)
+        data[name] = written[:-6] + "Z" if written.endswith("+00:00") else written
     data["duration_ms"] = run.duration_ms
     return data
 

@@ -135,3 +135,19 @@ def test_run_filter_stuck_uses_the_timeouts_from_settings(viewer_client, inciden
     assert stuck == {incident["running"].pk, incident["pending"].pk, incident["paused"].pk,
                      incident["awaiting_approval"].pk}
     assert listed_ids(viewer_client.get(url, {"stuck": "no"})) & stuck == set()
+
+
+def test_the_stuck_list_is_counted_by_its_parts_with_the_other_filters(viewer_client, incident, settings):
+    url = changelist("runs.run")
+    settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = 0
+    settings.ORCHESTRATOR_RUN_PENDING_TIMEOUT_S = 0
+    settings.ORCHESTRATOR_RUN_PAUSED_TIMEOUT_S = 0
+    whole = viewer_client.get(url, {"stuck": "yes"}).context["cl"]
+    assert whole.result_count == len(whole.result_list) == 4 and whole.paginator.count_label == "4"
+    paused = viewer_client.get(url, {"stuck": "yes", "status__exact": "paused"}).context["cl"]
+    assert paused.result_count == len(paused.result_list) == 2  # the filters beside "stuck" count too
+    named = viewer_client.get(url, {"stuck": "yes", "q": incident["running"].name}).context["cl"]
+    assert named.result_count == len(named.result_list) >= 1  # and the search
+    settings.ORCHESTRATOR_ADMIN_COUNT_LIMIT = 3
+    bounded = viewer_client.get(url, {"stuck": "yes"}).context["cl"]
+    assert bounded.paginator.count_label == "3+" and len(bounded.result_list) == 4

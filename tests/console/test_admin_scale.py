@@ -75,6 +75,17 @@ def test_page_numbers_stop_at_the_cap(viewer_client, project, monkeypatch, setti
     assert viewer_client.get(RUNS, {"p": 4}).status_code == 302  # a page past the cap: invalid, as past the end
 
 
+def test_numbered_pages_show_their_slice_in_the_list_order(viewer_client, project, monkeypatch):
+    monkeypatch.setattr(RunAdmin, "list_per_page", 3)
+    ids = _bulk_runs(project, 7)  # 8 runs, newest first
+    assert [_shown(viewer_client.get(RUNS, {"p": page})) for page in (1, 2, 3)] == [ids[:3], ids[3:6], ids[6:]]
+    for order in ("1", "-1", "4"):  # sorted by a column: a page read by ids keeps the sort
+        whole = _shown(viewer_client.get(RUNS, {"o": order, "rows": 200}))
+        pages = [_shown(viewer_client.get(RUNS, {"p": page, "o": order})) for page in (1, 2, 3)]
+        assert pages == [whole[:3], whole[3:6], whole[6:]] and len(whole) == 8
+    assert _shown(viewer_client.get(RUNS, {"o": "1", "rows": 200})) != ids  # (a sort of its own: by name)
+
+
 def test_a_filtered_list_counts_at_most_the_limit(viewer_client, project, settings):
     settings.ORCHESTRATOR_ADMIN_COUNT_LIMIT = 3
     _bulk_runs(project, 5)
@@ -184,6 +195,17 @@ def test_the_lists_their_filters_and_deep_pages_seek_indexes(viewer_client, proj
             assert bounded or not re.search(r"Seq Scan on (runs_run|jobs_job|billing_ledgerentry)\b", plan), \
                 f"{url} {params}\n{query['sql']}\n{plan}"
     assert "about" in viewer_client.get(RUNS).context["cl"].paginator.count_label
+
+    # The stuck list is counted by the parts of the rule, each along its index, under one bound:
+    # not the rule as one OR (a bitmap of every live run, then the table's rows).
+    with CaptureQueriesContext(connection) as queries:
+        assert viewer_client.get(RUNS, {"stuck": "yes"}).status_code == 200
+    counts = [q["sql"] for q in queries.captured_queries if q["sql"].startswith("SELECT COUNT(*)")]
+    assert len(counts) == 1 and "UNION ALL" in counts[0]
+    with connection.cursor() as cursor:
+        cursor.execute(f"EXPLAIN (ANALYZE, COSTS OFF) {counts[0]}")
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert "BitmapOr" not in plan and "Seq Scan" not in plan, plan
 
     # The dashboard's reads of runs (bounded counts by status and of each stuck part, the stuck
     # list) seek indexes too: none reads the runs table, not even under a limit.
