@@ -205,8 +205,9 @@ def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_i
 
 def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                    amount: int, idempotency_key: str, actor=None, reason: str = "",
-                   emit: EventSink | None = None) -> LedgerResult:
-    """Hold ``amount`` credits for a run attempt; ``InsufficientCredits`` if not available."""
+                   emit: EventSink | None = None, new: bool = False) -> LedgerResult:
+    """Hold ``amount`` credits for a run attempt; ``InsufficientCredits`` if not available (``new``:
+    as ``_run_entry``'s)."""
     amount = _validate_amount(amount)
 
     def apply(account: CreditAccount) -> None:
@@ -219,7 +220,7 @@ def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int,
 
     return _run_entry(kind=LedgerEntry.Kind.RESERVE, organization_id=organization_id, project_id=project_id,
                       run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, emit=emit)
+                      actor=actor, reason=reason, apply=apply, emit=emit, new=new)
 
 
 def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,

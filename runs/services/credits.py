@@ -27,11 +27,12 @@ from runs.services.common import _lock_run, _snapshot
 
 def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
     """Reserve the run's ``credit_limit`` for ``attempt`` (a new attempt not yet saved is inserted
-    with it)."""
+    with it: its key names an attempt that did not exist, so the ledger does not look it up)."""
     result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                             attempt_number=attempt.number, amount=run.credit_limit,
                             idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
-                            reason=reason or f"reserve for attempt {attempt.number}", emit=run_event_record)
+                            reason=reason or f"reserve for attempt {attempt.number}", emit=run_event_record,
+                            new=attempt.pk is None)
     if result.created:
         attempt.credits_reserved += run.credit_limit
         run.credits_reserved += run.credit_limit
