@@ -12,6 +12,12 @@ outer batch's rows (before its savepoint, so a rollback of the savepoint cannot 
 drops its own rows when an exception leaves it (the savepoint rolled back what they describe).
 Code that lets another app write events inside a batch (the queue's enqueue, a command record)
 calls ``run_events_flush()`` first, so the ids stay in the order of the changes they describe.
+
+A write that needs a lock many transactions share (the organization's credit account, for a step's
+charge) can be put off to the batch's end with ``run_deferred(write, event=True)``: it runs just
+before the rows are written (or before ``run_deferred_flush()``: another write of that account in
+the transaction first), so the shared lock is held for the end of the transaction only; its event
+keeps the place it was asked for in the batch (a slot the write fills).
 """
 
 from __future__ import annotations
@@ -49,11 +55,39 @@ def run_event_record(*, type: str, organization_id: int | None, project_id: int 
         rows.append(row)
 
 
+def run_deferred(write, *, event: bool = False) -> None:
+    """Call ``write`` at the batch's end, before its rows are written (at once outside a batch).
+    ``event``: ``write`` is called with an event sink (``run_event_record``'s keywords) whose one
+    event takes the place in the batch it had when this was asked."""
+    rows = _pending()
+    if rows is None:
+        write(run_event_record) if event else write()
+        return
+    if not event:
+        rows.append(write)
+        return
+    slot: dict[str, Any] = {}
+    rows.append(slot)
+    rows.append(lambda: write(lambda **row: slot.update(row, payload=row.get("payload") or {})))
+
+
+def run_deferred_flush() -> None:
+    """Make the batch's put-off writes now (in order): before a write of the same rows of its own."""
+    rows = _pending()
+    if rows and any(callable(row) for row in rows):
+        writes = [row for row in rows if callable(row)]
+        rows[:] = [row for row in rows if not callable(row)]
+        for write in writes:
+            write()
+
+
 def run_events_flush() -> None:
-    """Write the batch's rows now (in order), e.g. before another app writes events of its own."""
+    """Write the batch's rows now (in order), e.g. before another app writes events of its own;
+    its put-off writes first."""
     rows = _pending()
     if rows:
-        events_record(list(rows))
+        run_deferred_flush()
+        events_record([row for row in rows if row])  # (a put-off write's slot it did not fill: no event)
         rows.clear()
 
 

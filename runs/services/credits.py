@@ -21,13 +21,14 @@ from runs.models import (
     Run,
     RunAttempt,
 )
-from runs.outbox import run_atomic, run_event_record
+from runs.outbox import run_atomic, run_deferred, run_deferred_flush, run_event_record
 from runs.services.common import _lock_run, _snapshot
 
 
 def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
     """Reserve the run's ``credit_limit`` for ``attempt`` (a new attempt not yet saved is inserted
     with it: its key names an attempt that did not exist, so the ledger does not look it up)."""
+    run_deferred_flush()  # the transaction's put-off charges first: the account's entries in order
     result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                             attempt_number=attempt.number, amount=run.credit_limit,
                             idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
@@ -46,6 +47,7 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
     """Hold a re-plan's worst-case cost on top of the attempt's reservation (released with the rest
     when the attempt ends); ``InsufficientCredits`` when the organization cannot pay it."""
     with run_atomic():
+        run_deferred_flush()
         result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                                 attempt_number=attempt.number, amount=amount,
                                 idempotency_key=f"replan:{run.pk}:{attempt.number}:{replan_number}",
@@ -62,7 +64,9 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
     """Charge an attempt's reservation for a step attempt being settled (``key``: the step
     attempt's, charged in the transaction that settles it, so never charged before: the ledger
     does not look it up; a duplicate still fails on its unique key); ``CreditLimitExceeded`` when
-    it would go past the reservation."""
+    it would go past the reservation. The ledger entry is written at the end of the transaction
+    (``run_deferred``: the account's lock, which every run of the organization takes, is held
+    that long only), its event in its place; the attempt's and the run's figures move at once."""
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if amount > remaining:
         if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
@@ -70,14 +74,17 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
         raise CreditLimitExceeded(
             f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
-    result = ledger_charge(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                           attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason,
-                           emit=run_event_record, new=True)
-    if result.created:
-        attempt.credits_charged += amount
-        run.credits_charged += amount
-        attempt.save(update_fields=["credits_charged"])
-    return result.created
+    organization_id, project_id, run_id, number = run.organization_id, run.project_id, run.pk, attempt.number
+
+    def write(emit) -> None:  # the organization's account is locked at the end of the transaction only
+        ledger_charge(organization_id=organization_id, project_id=project_id, run_id=run_id,
+                      attempt_number=number, amount=amount, idempotency_key=key, reason=reason, emit=emit, new=True)
+
+    run_deferred(write, event=True)
+    attempt.credits_charged += amount
+    run.credits_charged += amount
+    attempt.save(update_fields=["credits_charged"])
+    return True
 
 
 def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "", save: bool = True) -> None:
@@ -88,6 +95,7 @@ def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if remaining <= 0:
         return
+    run_deferred_flush()
     result = ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
                            attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
                            idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
@@ -130,6 +138,7 @@ def run_refund(*, run_id: int, amount: int | None = None, actor=None, reason: st
                                errors={"amount": [f"at most {refundable}"]})
     before = _snapshot(run)
     left = amount
+    run_deferred_flush()
     for attempt in RunAttempt.objects.filter(run=run).order_by("-number"):
         take = min(left, attempt.credits_charged)
         if take <= 0:

@@ -141,3 +141,27 @@ def test_a_node_write_refuses_a_copy_whose_state_moved_since_it_was_read(project
     first.complete()
     first.save_moved(first.MOVING_FIELDS)  # the copy that moved it goes on from what it wrote
     assert Step.objects.get(pk=first.pk).status == "completed"
+
+
+def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(project):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    run = services.run_create(project=project, name="charge", plan=make_plan(steps=2))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    first = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
+    attempt = services.step_begin(step_id=first.pk)
+    last_event = Event.objects.order_by("-id").values_list("id", flat=True).first()
+    with CaptureQueriesContext(connection) as captured:
+        assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
+    statements = [query["sql"] for query in captured.captured_queries]
+    account_lock = next(i for i, sql in enumerate(statements) if 'FROM "billing_creditaccount"' in sql)
+    step_write = next(i for i, sql in enumerate(statements) if sql.startswith('UPDATE "runs_step"'))
+    assert step_write < account_lock  # the organization's account is locked at the end of the settlement
+    written = list(Event.objects.filter(pk__gt=last_event, run_id=run.pk).order_by("id"))
+    assert [event.type for event in written][:2] == ["ledger_charge", "step_completed"]
+    entry = LedgerEntry.objects.get(run=run, kind="charge", idempotency_key=attempt.idempotency_key)
+    assert written[0].payload["entry"] == entry.pk and written[0].payload["amount"] == entry.amount == 1
+    assert Run.objects.get(pk=run.pk).credits_charged == 1
+    assert invariants_check() == []
