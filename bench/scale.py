@@ -22,7 +22,7 @@ wake to the processes' exit, the benchmark's own polling taken out) and statemen
 see ``bench/counting``); both include what the workers do besides jobs in that window
 (heartbeats, maintenance, the broker's polling with the ORM broker). Then queued → executing
 latency (p50/p99 of ``started_at - queued_at`` of the job rows) of our queue under a steady
-stream at 60 % of its measured rate, with 1 and 2 clusters.
+stream at 60 % of its measured rate (enqueued by a thread per 100 jobs/s), with 1 and 2 clusters.
 
 The benchmark FAILS (exit status 1, the reason on stderr) when any job is lost or executed more
 than once (the Redis count per job id; for our queue also a job not ``completed`` or with more
@@ -268,24 +268,58 @@ def measure_celery(workers: int, n: int, out: Path) -> Result:
                   problems=counting.executions_check(CELERY_BROKER_URL, range(n)))
 
 
-def measure_latency(clusters: int, rate: float, seconds: float, project, env: dict, out: Path):
-    """p50/p99 of queued → executing (ms) under a steady stream of ``rate`` jobs/s."""
-    from jobs.models import Job
+# One producer thread (its own connection) per this many jobs/s of the stream: an enqueue is one
+# transaction of a few round trips, so one thread alone falls behind a stream of a thousand a second.
+JOBS_PER_PRODUCER = 100
+
+
+def _produce(rate: float, seconds: float, project) -> list[int]:
+    """Enqueue ``rate`` jobs/s for ``seconds`` from ``ceil(rate / JOBS_PER_PRODUCER)`` threads, each
+    paced to its share; the ids enqueued."""
+    import math
+    import threading
+
+    from django.db import connection
     from jobs.services import job_enqueue
+
+    threads = max(1, min(16, math.ceil(rate / JOBS_PER_PRODUCER)))
+    ids: list[int] = []
+    lock = threading.Lock()
+    end = time.monotonic() + seconds
+
+    def producer(offset: float) -> None:
+        interval = threads / rate
+        next_at = time.monotonic() + offset * interval / threads
+        try:
+            while time.monotonic() < end:
+                time.sleep(max(0.0, next_at - time.monotonic()))
+                job = job_enqueue(job_type="bench_counted", project=project,
+                                  payload={"value": 0, "total": 0, "redis": REDIS_URL}).job
+                with lock:
+                    ids.append(job.pk)
+                next_at += interval
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=producer, args=(index,)) for index in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return ids
+
+
+def measure_latency(clusters: int, rate: float, seconds: float, project, env: dict, out: Path):
+    """p50/p99 of queued → executing (ms) under a steady stream of ``rate`` jobs/s; also the rate the
+    producers reached."""
+    from jobs.models import Job
 
     Job.objects.all().delete()
     _flush_redis()
     processes = _start_clusters(clusters, env, out, f"latency-{clusters}")
     ids: list[int] = []
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
-        interval = 1.0 / rate
-        next_at = time.monotonic()
-        end = next_at + seconds
-        while time.monotonic() < end:
-            ids.append(job_enqueue(job_type="bench_counted", project=project,
-                                   payload={"value": len(ids), "total": 0, "redis": REDIS_URL}).job.pk)
-            next_at += interval
-            time.sleep(max(0.0, next_at - time.monotonic()))
+        ids.extend(_produce(rate, seconds, project))
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
