@@ -161,6 +161,9 @@ class JobDefinition:
     # the job chooses, namespaced under its project (see the module docstring).
     lane: str | Callable[[dict, int], str] = "project"
     session_agent: str | None = None  # run inside the owner::agent worker session
+    # Runs long (a chain of steps): claimed only at the head of a batch, so no job waits behind it in
+    # one worker's batch while another worker idles.
+    claim_alone: bool = False
     bootstrap_key: str | None = None
     on_queued: Callable | None = None
     on_started: Callable | None = None
@@ -241,3 +244,8 @@ def definition_get(job_type: str) -> JobDefinition | None:
 
 def definition_types() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def claim_alone_types() -> tuple[str, ...]:
+    """The registered types claimed only at the head of a batch (``JobDefinition.claim_alone``)."""
+    return tuple(sorted(name for name, definition in _REGISTRY.items() if definition.claim_alone))

@@ -10,7 +10,8 @@ One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``)
 3. ``lanes``: the first job of each lane (jobs without a lane each stand alone);
 4. ``in_organization`` and ``organization_free``: the n-th job of an organization gets the
    organization's n-th free slot (none free: the job stays queued);
-5. ``chosen``: the n-th remaining job gets the n-th free global slot, at most ``batch`` jobs.
+5. ``chosen``: the n-th remaining job gets the n-th free global slot, at most ``batch`` jobs; a job
+   whose type is claimed alone (``claim_alone``) only heads a batch of one (the batch ends before it).
 
 Slots are handed out in claim order (the lowest first), so ordering the claimed rows by slot
 gives the claim order back. Every constant of the statement (the waiting states, the number of
@@ -26,6 +27,7 @@ import zlib
 from django.db import connection
 
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
+from jobs.registry import claim_alone_types
 from jobs.services.common import _job_columns
 
 # The key of the transaction-scoped advisory lock every claim takes on PostgreSQL.
@@ -40,9 +42,11 @@ _SQL: dict[tuple[str, int], str] = {}
 def claim_sql(limit: int) -> str:
     """The claim statement for this connection's vendor (``limit`` only widens the candidates)."""
     candidates = max(CANDIDATES, 2 * limit)
-    key = (connection.vendor, candidates)
+    alone = claim_alone_types()
+    key = (connection.vendor, candidates, alone)
     if key not in _SQL:
-        _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked)
+        _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked,
+                           alone=alone)
     return _SQL[key]
 
 
@@ -50,7 +54,7 @@ def _literal(value: str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def _build(candidates: int, *, skip_locked: bool) -> str:
+def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -> str:
     qn = connection.ops.quote_name
     job, lane, pause = qn(Job._meta.db_table), qn(JobLane._meta.db_table), qn(QueuePause._meta.db_table)
     waiting = ", ".join(_literal(state) for state in sorted(WAITING_JOB_STATES))
@@ -68,38 +72,46 @@ def _build(candidates: int, *, skip_locked: bool) -> str:
         f" AND NOT (j.type IN (SELECT p.job_type FROM {pause} p WHERE p.job_type <> ''))"
     )
     columns = _job_columns()
+    # A job that runs long (``JobDefinition.claim_alone``) is claimed alone, at the head of a batch of
+    # one: a batch stops before the first such job after its head (left queued for the next claim),
+    # and a batch whose head is one holds nothing else.
+    head = ""
+    if alone:
+        names = ", ".join(_literal(name) for name in alone)
+        head = (" AND (c.n = 1 OR c.n < (SELECT COALESCE(MIN(o.n), c.n + 1) FROM organization_ok o"
+                f" WHERE o.type IN ({names})))")
     return (
         "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series WHERE s + 1 < %(span)s),"
         # from the saturated lanes (few; their index) to their waiting jobs (the lane index)
-        f" aged AS (SELECT j.id, j.lane, j.organization_id, j.queued_at FROM {lane} l"
+        f" aged AS (SELECT j.id, j.lane, j.organization_id, j.type, j.queued_at FROM {lane} l"
         f" JOIN {job} j ON j.lane = l.{qn('key')} WHERE l.interactive_streak >= %(burst)s AND {eligible}"
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
-        f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.priority, j.class_rank FROM {job} j WHERE {eligible}"
+        f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank FROM {job} j WHERE {eligible}"
         f" ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates}{lock}),"
-        " candidates AS (SELECT id, lane, organization_id, 0 AS grp,"
+        " candidates AS (SELECT id, lane, organization_id, type, 0 AS grp,"
         " ROW_NUMBER() OVER (ORDER BY queued_at, id) AS pos FROM aged"
-        " UNION ALL SELECT id, lane, organization_id, 1 AS grp,"
+        " UNION ALL SELECT id, lane, organization_id, type, 1 AS grp,"
         " ROW_NUMBER() OVER (ORDER BY priority, class_rank, id) AS pos FROM fresh),"
-        " ranked AS (SELECT id, lane, organization_id, ROW_NUMBER() OVER (ORDER BY grp, pos) AS claim_rank,"
+        " ranked AS (SELECT id, lane, organization_id, type, ROW_NUMBER() OVER (ORDER BY grp, pos) AS claim_rank,"
         " ROW_NUMBER() OVER (PARTITION BY id ORDER BY grp, pos) AS copy FROM candidates),"
-        " lanes AS (SELECT id, organization_id, claim_rank, ROW_NUMBER() OVER (PARTITION BY lane,"
+        " lanes AS (SELECT id, organization_id, type, claim_rank, ROW_NUMBER() OVER (PARTITION BY lane,"
         " CASE WHEN lane = '' THEN id ELSE 0 END ORDER BY claim_rank) AS in_lane FROM ranked WHERE copy = 1),"
-        " in_organization AS (SELECT id, organization_id, claim_rank,"
+        " in_organization AS (SELECT id, organization_id, type, claim_rank,"
         " ROW_NUMBER() OVER (PARTITION BY organization_id ORDER BY claim_rank) AS n FROM lanes WHERE in_lane = 1),"
         " organization_free AS (SELECT o.organization_id, s.s AS organization_slot,"
         " ROW_NUMBER() OVER (PARTITION BY o.organization_id ORDER BY s.s) AS n"
         " FROM (SELECT DISTINCT organization_id FROM in_organization) o CROSS JOIN series s"
         f" WHERE s.s < %(organization_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
         " AND e.organization_id = o.organization_id AND e.organization_slot = s.s)),"
-        " organization_ok AS (SELECT c.id, f.organization_slot, ROW_NUMBER() OVER (ORDER BY c.claim_rank) AS n"
+        " organization_ok AS (SELECT c.id, c.type, f.organization_slot, ROW_NUMBER() OVER (ORDER BY c.claim_rank) AS n"
         " FROM in_organization c JOIN organization_free f"
         " ON f.organization_id = c.organization_id AND f.n = c.n),"
         " free AS (SELECT s.s AS slot, ROW_NUMBER() OVER (ORDER BY s.s) AS n FROM series s"
         f" WHERE s.s < %(global_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
         " AND e.slot = s.s)),"
         " chosen AS (SELECT c.id, c.organization_slot, f.slot FROM organization_ok c JOIN free f ON f.n = c.n"
-        " WHERE c.n <= %(batch)s)"
+        f" WHERE c.n <= %(batch)s{head})"
         f" UPDATE {job} SET state = {executing}, reason = '', attempts = attempts + 1, slot = chosen.slot,"
         " organization_slot = chosen.organization_slot, worker = %(worker)s, not_before = NULL,"
         " started_at = COALESCE(started_at, %(now)s), lease_expires_at = %(lease)s, updated_at = %(touched)s"

@@ -44,6 +44,21 @@ def test_a_batch_is_claimed_in_claim_order_priority_then_class_then_fifo(project
     assert Event.objects.filter(type=JOB_STARTED).count() == 5  # an event per claimed job
 
 
+def test_a_long_job_is_claimed_alone_at_the_head_of_a_batch_and_the_order_is_kept(project, types, define_job,
+                                                                                     settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    define_job(type="long", run=lambda ctx, p: {"echo": p.get("n")}, priority_class="background", lane="none",
+               claim_alone=True)
+    first, second, long_one, after, long_two = (enqueue(project, "bg", n=1), enqueue(project, "bg", n=2),
+                                               enqueue(project, "long", n=3), enqueue(project, "bg", n=4),
+                                               enqueue(project, "long", n=5))
+    assert [job.pk for job in jobs_claim(worker="w1", limit=10)] == [first.pk, second.pk]  # stops before it
+    assert [job.pk for job in jobs_claim(worker="w2", limit=10)] == [long_one.pk]  # heads a batch of one
+    assert [job.pk for job in jobs_claim(worker="w1", limit=10)] == [after.pk]
+    assert [job.pk for job in jobs_claim(worker="w2", limit=10)] == [long_two.pk]
+    assert Job.objects.filter(state=JobState.EXECUTING).count() == 5
+
+
 def test_a_batch_takes_one_job_per_lane_and_none_of_a_busy_lane(project, types, settings):
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
     busy = enqueue(project, lane="busy")
