@@ -89,7 +89,7 @@ def main() -> int:
     from django.db import connection, transaction
     from django.utils import timezone
 
-    from bench.admin import series_insert
+    from bench.admin_seed import series_insert
     from billing.services import organization_create
     from core.models import Event
     from console.retention import retention_prune
