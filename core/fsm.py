@@ -16,10 +16,9 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import hot_cursor
+from core.sql import hot_cursor, per_vendor
 
 _STATE_FIELDS: dict[type, tuple] = {}
-_UPDATE_SQL: dict[tuple, tuple[str, list]] = {}
 
 
 class ConcurrentTransitions(ConcurrentTransitionMixin):
@@ -29,12 +28,7 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
 
     @property
     def state_fields(self):
-        cls = type(self)
-        fields = _STATE_FIELDS.get(cls)
-        if fields is None:
-            fields = _STATE_FIELDS[cls] = tuple(field for field in cls._meta.fields
-                                                if isinstance(field, FSMFieldMixin))
-        return fields
+        return _state_fields_of(type(self))
 
     def save_moved(self, fields: tuple[str, ...]) -> None:
         """``save(update_fields=fields)`` of a row whose state moved, as one prepared ``UPDATE``
@@ -43,16 +37,7 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
         ``post_save`` signal is sent, and ``auto_now`` fields are not touched: for models that
         need neither (the run's nodes)."""
         cls = type(self)
-        key = (connection.vendor, cls, fields)
-        if key not in _UPDATE_SQL:
-            qn = connection.ops.quote_name
-            meta = cls._meta
-            columns = [meta.get_field(name) for name in fields]
-            sets = ", ".join(f"{qn(field.column)} = %s" for field in columns)
-            where = "".join(f" AND {qn(field.column)} = %s" for field in self.state_fields)
-            _UPDATE_SQL[key] = (f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {qn(meta.pk.column)} = %s{where}",
-                                columns)
-        sql, columns = _UPDATE_SQL[key]
+        sql, columns = _moved_update_sql(cls, fields)
         initial = self._ConcurrentTransitionMixin__initial_states
         params = [field.get_db_prep_save(getattr(self, field.attname), connection) for field in columns]
         params += [self.pk, *(initial[field.attname] for field in self.state_fields)]
@@ -79,3 +64,22 @@ class StateMove:
         move.__name__ = name
         move.__qualname__ = f"{owner.__qualname__}.{name}"
         setattr(owner, name, transition(field=self.field, source=self.source, target=self.target)(move))
+
+
+def _state_fields_of(model: type) -> tuple:
+    fields = _STATE_FIELDS.get(model)
+    if fields is None:
+        fields = _STATE_FIELDS[model] = tuple(field for field in model._meta.fields
+                                              if isinstance(field, FSMFieldMixin))
+    return fields
+
+
+@per_vendor
+def _moved_update_sql(model: type, fields: tuple[str, ...]) -> tuple[str, list]:
+    """``save_moved``'s statement for ``model`` and ``fields`` (its state fields guard the row)."""
+    qn = connection.ops.quote_name
+    meta = model._meta
+    columns = [meta.get_field(name) for name in fields]
+    sets = ", ".join(f"{qn(field.column)} = %s" for field in columns)
+    where = "".join(f" AND {qn(field.column)} = %s" for field in _state_fields_of(model))
+    return f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {qn(meta.pk.column)} = %s{where}", columns

@@ -10,6 +10,21 @@ from django.db import connection, connections
 from django.db.models import QuerySet
 
 
+def per_vendor(build):
+    """``build(*args)`` (an SQL text built from the connection's vendor, quoting, features) called once
+    per vendor and arguments, then served from memory: a hot statement's text is written once."""
+    built: dict[tuple, Any] = {}
+
+    def cached(*args):
+        key = (connection.vendor, *args)
+        if key not in built:
+            built[key] = build(*args)
+        return built[key]
+
+    cached.__name__, cached.__doc__ = build.__name__, build.__doc__
+    return cached
+
+
 def hot_cursor():
     """A cursor for hot statements (raw SQL built once per process). On PostgreSQL it binds
     parameters on the server, so psycopg prepares a statement once it ran ``prepare_threshold``

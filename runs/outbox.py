@@ -14,7 +14,7 @@ Code that lets another app write events inside a batch (the queue's enqueue, a c
 calls ``run_events_flush()`` first, so the ids stay in the order of the changes they describe.
 
 A write that needs a lock many transactions share (the organization's credit account, for a step's
-charge) can be put off to the batch's end with ``run_deferred(write, event=True)``: it runs just
+charge) can be put off to the batch's end with ``run_deferred(write)``: it runs just
 before the rows are written (or before ``run_deferred_flush()``: another write of that account in
 the transaction first), so the shared lock is held for the end of the transaction only; its event
 keeps the place it was asked for in the batch (a slot the write fills).
@@ -55,16 +55,13 @@ def run_event_record(*, type: str, organization_id: int | None, project_id: int 
         rows.append(row)
 
 
-def run_deferred(write, *, event: bool = False) -> None:
-    """Call ``write`` at the batch's end, before its rows are written (at once outside a batch).
-    ``event``: ``write`` is called with an event sink (``run_event_record``'s keywords) whose one
-    event takes the place in the batch it had when this was asked."""
+def run_deferred(write) -> None:
+    """Call ``write`` at the batch's end, before its rows are written (at once outside a batch), with
+    an event sink (``run_event_record``'s keywords) whose one event takes the place in the batch it
+    had when this was asked."""
     rows = _pending()
     if rows is None:
-        write(run_event_record) if event else write()
-        return
-    if not event:
-        rows.append(write)
+        write(run_event_record)
         return
     slot: dict[str, Any] = {}
     rows.append(slot)

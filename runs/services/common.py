@@ -18,7 +18,7 @@ from core.errors import (
 )
 from core.models import Project
 from core.services import audit_record, row_lock, transition_log
-from core.sql import ModelRows, hot_cursor
+from core.sql import ModelRows, hot_cursor, per_vendor
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -57,22 +57,22 @@ def _lock_run(run_id: int) -> Run:
 
 
 _RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
-_LOCK_RUN_OF_SQL: dict[tuple[str, type], str] = {}
+
+
+@per_vendor
+def _lock_run_of_sql(model) -> str:
+    qn = connection.ops.quote_name
+    lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
+    return (f"SELECT {_RUN_ROWS.columns('r')}, {_PROJECT_ROWS.columns('p')} FROM {qn(Run._meta.db_table)} r"
+            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id"
+            f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
 
 
 def _lock_run_of(model, pk: int, *, entity: str) -> Run:
     """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
     one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row."""
-    key = (connection.vendor, model)
-    if key not in _LOCK_RUN_OF_SQL:
-        qn = connection.ops.quote_name
-        lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
-        _LOCK_RUN_OF_SQL[key] = (
-            f"SELECT {_RUN_ROWS.columns('r')}, {_PROJECT_ROWS.columns('p')} FROM {qn(Run._meta.db_table)} r"
-            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id"
-            f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
     with hot_cursor() as cursor:
-        cursor.execute(_LOCK_RUN_OF_SQL[key], [pk])
+        cursor.execute(_lock_run_of_sql(model), [pk])
         row = cursor.fetchone()
     if row is None:
         raise NotFound(f"{entity} {pk} does not exist")
@@ -144,22 +144,16 @@ class RunTree:
 
 
 _STEP_ROWS, _TASK_ROWS, _AGENT_ROWS = ModelRows(Step), ModelRows(Task), ModelRows(Agent)
-_TREE_SQL: dict[str, str] = {}
-
-
+@per_vendor
 def _tree_sql() -> str:
     """The current attempt's nodes of a run: each table filtered by its own run index (the run's
     rows only, whatever the planner's statistics say: a fresh or just-grown table is never joined
     whole); no order (the tree sorts its levels)."""
-    vendor = connection.vendor
-    if vendor not in _TREE_SQL:
-        qn = connection.ops.quote_name
-        step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-        _TREE_SQL[vendor] = (
-            f"SELECT {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('a')}"
+    qn = connection.ops.quote_name
+    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    return (f"SELECT {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('a')}"
             f" FROM {step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} a ON a.id = t.agent_id"
             " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s")
-    return _TREE_SQL[vendor]
 
 
 def _run_tree(run: Run) -> RunTree:
@@ -257,15 +251,10 @@ def _current_attempt(run: Run) -> RunAttempt | None:
 
 
 _ATTEMPT_ROWS = ModelRows(RunAttempt)
-_ATTEMPT_SQL: dict[str, str] = {}
-
-
+@per_vendor
 def _current_attempt_sql() -> str:
-    if connection.vendor not in _ATTEMPT_SQL:
-        _ATTEMPT_SQL[connection.vendor] = (
-            f"SELECT {_ATTEMPT_ROWS.columns('a')} FROM {connection.ops.quote_name(RunAttempt._meta.db_table)} a"
+    return (f"SELECT {_ATTEMPT_ROWS.columns('a')} FROM {connection.ops.quote_name(RunAttempt._meta.db_table)} a"
             " WHERE a.run_id = %s AND a.number = %s")
-    return _ATTEMPT_SQL[connection.vendor]
 
 
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:

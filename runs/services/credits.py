@@ -80,7 +80,7 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
         ledger_charge(organization_id=organization_id, project_id=project_id, run_id=run_id,
                       attempt_number=number, amount=amount, idempotency_key=key, reason=reason, emit=emit, new=True)
 
-    run_deferred(write, event=True)
+    run_deferred(write)
     attempt.credits_charged += amount
     run.credits_charged += amount
     attempt.save(update_fields=["credits_charged"])
