@@ -55,19 +55,21 @@ def _hot_cursor_class() -> type:
     return _HOT_CURSOR[0]
 
 
-def subqueries_row(querysets: dict[str, QuerySet], *, wrap: str, limit: int) -> dict[str, Any]:
-    """Each queryset's primary keys (at most ``limit``) put into ``wrap`` (an SQL expression with
-    ``{}`` where the subquery goes, e.g. ``"EXISTS ({})"``), all read in one ``SELECT``: one round
-    trip whatever the number of querysets. A queryset given an explicit ``order_by`` keeps it (the
-    index meant to be walked under the limit); the others drop their default ordering."""
+def subqueries_row(querysets: dict[str, QuerySet], *, wrap: str, limit: int | dict[str, int]) -> dict[str, Any]:
+    """Each queryset's primary keys (at most ``limit``, or ``limit[key]`` per queryset) put into
+    ``wrap`` (an SQL expression with ``{}`` where the subquery goes, e.g. ``"EXISTS ({})"``), all
+    read in one ``SELECT``: one round trip whatever the number of querysets. A queryset given an
+    explicit ``order_by`` keeps it (the index meant to be walked under the limit); the others drop
+    their default ordering."""
     if not querysets:
         return {}
     connection = connections[next(iter(querysets.values())).db]
     parts, params = [], []
-    for queryset in querysets.values():
+    for key, queryset in querysets.items():
         if not queryset.query.order_by:
             queryset = queryset.order_by()
-        sql, part_params = queryset.values("pk")[:limit].query.sql_with_params()
+        bound = limit[key] if isinstance(limit, dict) else limit
+        sql, part_params = queryset.values("pk")[:bound].query.sql_with_params()
         parts.append(wrap.format(sql))
         params.extend(part_params)
     with connection.cursor() as cursor:

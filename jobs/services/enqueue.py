@@ -37,14 +37,17 @@ def organization_max_waiting() -> int:
 
 def _waiting_depths(project: Project) -> tuple[int, int, int]:
     """Jobs waiting in the project, in its organization and in all, in one statement (each an
-    index read of its own, counted up to the largest cap: enough to tell whether one is reached)."""
+    index read of its own, counted up to one past its cap: enough to tell whether the cap is
+    reached, a new job of the caller's own transaction included, without reading a deep backlog
+    further than that)."""
     waiting = Job.objects.filter(state__in=NOT_STARTED_JOB_STATES)
     counts = subqueries_row({"project": waiting.filter(project=project),
                              "organization": waiting.filter(organization_id=project.organization_id),
                              "total": waiting},
                             wrap="(SELECT COUNT(*) FROM ({}) AS waiting)",
-                            limit=max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, organization_max_waiting(),
-                                      settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL))
+                            limit={"project": settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + 1,
+                                   "organization": organization_max_waiting() + 1,
+                                   "total": settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + 1})
     return counts["project"], counts["organization"], counts["total"]
 
 
@@ -65,7 +68,9 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
     ``merge_duplicate`` merges the payload into a waiting job (``merged``). ``not_before``
     delays the job (a queued job is claimable once it has passed). The caps on waiting jobs
     (per project, per organization, in all) raise ``QueueFull`` with a retry hint; the project's
-    and the organization's are exact (their rows are locked, project then organization). The
+    and the organization's are exact: their rows are locked (project then organization) and the
+    waiting jobs counted as the last step before the commit, so the locks that serialize one
+    project's enqueues are held for two statements, not the whole enqueue. The
     lane comes from the definition (``JobDefinition.lane_key``): an engine lane built from
     ``project`` and ``run_id``, or a lane the payload chose inside the project's namespace.
     Invalid input raises ``ValidationFailed``; nothing is written.
@@ -80,41 +85,29 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
     key = definition.dedupe.key(payload, project.pk) if definition.dedupe.mode != "none" else None
     active_key = f"{definition.type}:{key}" if key else None
     with transaction.atomic():
-        # Serializes enqueues of one project: its cap is exact and duplicates see each other.
-        # FOR NO KEY UPDATE: enqueuers wait for each other, but a transaction inserting a row that
-        # refers to the project (its foreign-key check takes KEY SHARE) never waits for an enqueue,
-        # so no deadlock forms with one that holds a lock an enqueue needs next.
-        Project.objects.select_for_update(no_key=True).filter(pk=project.pk).first()
-        # Then of one organization (always after the project: one lock order): its cap is exact.
-        Organization.objects.select_for_update(no_key=True).filter(pk=project.organization_id).first()
         if active_key:
+            # A deduplicated type: its key is looked up under the caps' locks (duplicates see each
+            # other), then the row is written.
+            _caps_lock(project)
             existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
             if existing is not None:
                 return _dedupe_hit(definition, existing, payload)
-        depth, in_organization, total = _waiting_depths(project)
-        if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
-            raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
-                            f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
-        if in_organization >= organization_max_waiting():
-            raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
-                            f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
-        if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
-            raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
-                            retry_after=_retry_hint(), scope="global")
-        now = timezone.now()
-        interactive = definition.priority_class == PriorityClass.INTERACTIVE
+            _caps_check(project, including_new=False)
         job = Job(
             type=definition.type, version=definition.version, organization_id=project.organization_id,
             project=project, priority=definition.priority if priority is None else priority,
-            priority_class=definition.priority_class, class_rank=0 if interactive else 1,
+            priority_class=definition.priority_class,
+            class_rank=0 if definition.priority_class == PriorityClass.INTERACTIVE else 1,
             lane=lane, dedupe_key=key or "", active_dedupe_key=active_key,
             payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
             timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
             thread_id=thread_id or (source_session_id or ""), run_id=run_id, traceparent=tracing_traceparent(),
-            deadline_at=now + timedelta(milliseconds=definition.deadline_ms) if definition.deadline_ms else None,
         )
+        now = timezone.now()
         job.queued_at = now
         job.not_before = not_before
+        if definition.deadline_ms:
+            job.deadline_at = now + timedelta(milliseconds=definition.deadline_ms)
         job.to_queued()  # received → queued, checked by the FSM; the row is inserted once, queued
         try:
             if active_key:
@@ -137,9 +130,44 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
         if actor is not None:
             audit_record(actor=actor, action="job_enqueue", target_type="job", target_id=job.pk,
                          organization_id=job.organization_id, run_id=run_id, after={"type": job.type})
+        if not active_key:
+            # The caps last, so their locks are held for as short a time as possible: from here to
+            # the commit. A cap that is reached raises, and the rollback takes every row back.
+            _caps_lock(project)
+            _caps_check(project, including_new=True)
         _after_commit_hook(definition, "on_queued", job)
         transaction.on_commit(_wake)
         return EnqueueResult(job, "enqueued")
+
+
+def _caps_lock(project: Project) -> None:
+    """Serialize the enqueues of one project, then of its organization (always in that order),
+    until the transaction ends: their caps on waiting jobs are exact.
+
+    FOR NO KEY UPDATE: enqueuers wait for each other, but a transaction inserting a row that refers
+    to the project (its foreign-key check takes KEY SHARE, as this enqueue's own job row did) never
+    waits for an enqueue, so no deadlock forms with one that holds a lock an enqueue needs next."""
+    Project.objects.select_for_update(no_key=True).filter(pk=project.pk).first()
+    Organization.objects.select_for_update(no_key=True).filter(pk=project.organization_id).first()
+
+
+def _caps_check(project: Project, *, including_new: bool) -> None:
+    """Raise ``QueueFull`` when the project, its organization or the whole queue has as many jobs
+    waiting as its cap allows. Read under ``_caps_lock``: every earlier enqueue of the project and
+    the organization has committed (or rolled back), and this transaction's own new job, when
+    ``including_new``, is counted and taken off."""
+    depth, in_organization, total = _waiting_depths(project)
+    if including_new:
+        depth, in_organization, total = depth - 1, in_organization - 1, total - 1
+    if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
+        raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
+                        f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
+    if in_organization >= organization_max_waiting():
+        raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
+                        f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
+    if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
+        raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
+                        retry_after=_retry_hint(), scope="global")
 
 
 def _dedupe_hit(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:

@@ -265,3 +265,54 @@ def test_an_enqueue_in_flight_never_blocks_a_row_that_refers_to_its_project(org_
         release.set()
         holder.join(timeout=30)
     assert errors == []
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_enqueues_stop_exactly_at_the_project_and_organization_caps(org_factory, settings):
+    """Twelve threads, each with its own connection, enqueue at once into two projects of one
+    organization: the project's cap and the organization's cap hold exactly (the rows are written
+    before the caps are locked and counted), and a refused enqueue leaves no job, event or metric."""
+    from core.models import Event, MetricDelta
+
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 5
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_WAITING = 7
+    settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 1000
+    organization, first, _ = org_factory()
+    second = project_create(organization=organization, name="second")
+    threads = 12
+    barrier = threading.Barrier(threads)
+    outcomes: list[str] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def enqueue(index: int) -> None:
+        try:
+            connection.ensure_connection()
+            barrier.wait(timeout=30)
+            for n in range(3):
+                try:
+                    job_enqueue(job_type="noop", project=first if index % 2 else second, payload={"n": n})
+                    outcome = "enqueued"
+                except QueueFull as refused:
+                    outcome = refused.extra["scope"]
+                with lock:
+                    outcomes.append(outcome)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    workers = [threading.Thread(target=enqueue, args=(i,), daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert not any(worker.is_alive() for worker in workers), "an enqueue hung"
+    assert errors == []
+    assert outcomes.count("enqueued") == 7 and len(outcomes) == 36
+    waiting = Job.objects.filter(organization=organization, state=JobState.QUEUED)
+    assert waiting.count() == 7
+    assert waiting.filter(project=first).count() <= 5 and waiting.filter(project=second).count() <= 5
+    assert Event.objects.filter(type="orchestrator_job_queued", organization_id=organization.pk).count() == 7
+    assert sum(MetricDelta.objects.filter(name="jobs_enqueued").values_list("count", flat=True)) == 7
