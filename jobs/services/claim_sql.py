@@ -3,7 +3,7 @@
 One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``):
 
 1. ``aged`` and ``fresh``: the first ``CANDIDATES`` eligible jobs in each of the two claim
-   orders (aged background jobs of a saturated lane, oldest first; every eligible job by
+   orders (aged background jobs of a ``saturated`` lane, oldest first; every eligible job by
    priority, class, FIFO), each an index scan with ``LIMIT`` and, on PostgreSQL, ``FOR UPDATE
    SKIP LOCKED`` (a row another transaction holds is passed over);
 2. ``ranked``: one claim order over both lists (aged first; a job in both keeps its first place);
@@ -72,6 +72,10 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -
         f" AND NOT (j.type IN (SELECT p.job_type FROM {pause} p WHERE p.job_type <> ''))"
     )
     columns = _job_columns()
+    # The saturated lanes and the free slots are computed once per statement: inlined (PostgreSQL's
+    # default for a CTE read once), the free slots are computed again for every chosen job, and the
+    # aged jobs are looked for among all waiting jobs instead of in the (usually no) saturated lanes.
+    materialized = "MATERIALIZED " if connection.vendor == "postgresql" else ""
     # A job that runs long (``JobDefinition.claim_alone``) is claimed alone, at the head of a batch of
     # one: a batch stops before the first such job after its head (left queued for the next claim),
     # and a batch whose head is one holds nothing else.
@@ -83,8 +87,10 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -
     return (
         "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series WHERE s + 1 < %(span)s),"
         # from the saturated lanes (few; their index) to their waiting jobs (the lane index)
-        f" aged AS (SELECT j.id, j.lane, j.organization_id, j.type, j.queued_at FROM {lane} l"
-        f" JOIN {job} j ON j.lane = l.{qn('key')} WHERE l.interactive_streak >= %(burst)s AND {eligible}"
+        f" saturated AS {materialized}(SELECT l.{qn('key')} AS lane FROM {lane} l"
+        " WHERE l.interactive_streak >= %(burst)s),"
+        f" aged AS (SELECT j.id, j.lane, j.organization_id, j.type, j.queued_at FROM saturated l"
+        f" JOIN {job} j ON j.lane = l.lane WHERE {eligible}"
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
         f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank FROM {job} j WHERE {eligible}"
@@ -99,7 +105,7 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -
         " CASE WHEN lane = '' THEN id ELSE 0 END ORDER BY claim_rank) AS in_lane FROM ranked WHERE copy = 1),"
         " in_organization AS (SELECT id, organization_id, type, claim_rank,"
         " ROW_NUMBER() OVER (PARTITION BY organization_id ORDER BY claim_rank) AS n FROM lanes WHERE in_lane = 1),"
-        " organization_free AS (SELECT o.organization_id, s.s AS organization_slot,"
+        f" organization_free AS {materialized}(SELECT o.organization_id, s.s AS organization_slot,"
         " ROW_NUMBER() OVER (PARTITION BY o.organization_id ORDER BY s.s) AS n"
         " FROM (SELECT DISTINCT organization_id FROM in_organization) o CROSS JOIN series s"
         f" WHERE s.s < %(organization_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
@@ -107,7 +113,7 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -
         " organization_ok AS (SELECT c.id, c.type, f.organization_slot, ROW_NUMBER() OVER (ORDER BY c.claim_rank) AS n"
         " FROM in_organization c JOIN organization_free f"
         " ON f.organization_id = c.organization_id AND f.n = c.n),"
-        " free AS (SELECT s.s AS slot, ROW_NUMBER() OVER (ORDER BY s.s) AS n FROM series s"
+        f" free AS {materialized}(SELECT s.s AS slot, ROW_NUMBER() OVER (ORDER BY s.s) AS n FROM series s"
         f" WHERE s.s < %(global_cap)s AND NOT EXISTS (SELECT 1 FROM {job} e WHERE e.state = {executing}"
         " AND e.slot = s.s)),"
         " chosen AS (SELECT c.id, c.organization_slot, f.slot FROM organization_ok c JOIN free f ON f.n = c.n"
