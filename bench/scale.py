@@ -142,15 +142,20 @@ def _jobs_check(ids: list[int], workers: set[str] | None = None) -> list[str]:
 
 
 def _enqueue(n: int, project, total: int) -> list[int]:
+    """Queue ``n`` jobs before the clusters start, a thousand per ``jobs_enqueue_many`` (the wake
+    messages held back: the clusters are woken once started)."""
     from jobs import wake
-    from jobs.services import job_enqueue
+    from jobs.services import jobs_enqueue_many
 
     send = wake._send
-    wake._send = lambda count: None  # fill the table first; the clusters are woken once started
+    wake._send = lambda count: None
     try:
-        return [job_enqueue(job_type="bench_counted", project=project,
-                            payload={"value": index, "total": total, "redis": REDIS_URL}).job.pk
-                for index in range(n)]
+        ids = []
+        for start in range(0, n, 1000):
+            payloads = [{"value": index, "total": total, "redis": REDIS_URL} for index in range(start, min(n, start + 1000))]
+            ids.extend(result.job.pk for result in jobs_enqueue_many(job_type="bench_counted", project=project,
+                                                                     payloads=payloads))
+        return ids
     finally:
         wake._send = send
 

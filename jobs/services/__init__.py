@@ -9,7 +9,8 @@ By concern:
 - ``common``: the job's API form, the move that writes a transition (FSM check, timestamps,
   transition log, event), the row lock, the definition hooks run after commit, the wake-up;
   ``job_transition``.
-- ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe.
+- ``enqueue``: ``job_enqueue`` with its caps on waiting jobs and dedupe; ``jobs_enqueue_many``
+  (several of one type in one transaction, written in bulk).
 - ``claim``: ``jobs_claim`` (a batch in one statement, its SQL in ``claim_sql``, built once per
   process), ``job_claim``, ``jobs_eligible``, ``jobs_claim_order``, lanes and concurrency slots.
 - ``outcomes``: ``job_progress``, ``job_complete``, ``jobs_complete`` (several in one statement),
@@ -29,7 +30,7 @@ from jobs.services.cancellation import (
 )
 from jobs.services.claim import job_claim, jobs_claim, jobs_claim_order, jobs_eligible, organization_max_executing
 from jobs.services.common import job_as_dict, job_transition
-from jobs.services.enqueue import EnqueueResult, job_enqueue, organization_max_waiting
+from jobs.services.enqueue import EnqueueResult, job_enqueue, jobs_enqueue_many, organization_max_waiting
 from jobs.services.outcomes import (
     job_complete,
     job_fail,
@@ -63,6 +64,7 @@ __all__ = [
     "jobs_complete",
     "jobs_eligible",
     "jobs_enforce_deadlines",
+    "jobs_enqueue_many",
     "jobs_enforce_interrupt_timeouts",
     "jobs_recover_expired",
     "jobs_renew_leases",

@@ -13,14 +13,15 @@ from django.utils import timezone
 from core.errors import ValidationFailed
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
-from core.services import audit_record, transition_log
+from core.services import audit_record, events_record, transition_log
 from core.sql import subqueries_row
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
 from jobs.registry import JobDefinition, definition_get
 from jobs.events import JOB_PROGRESS, JOB_QUEUED
-from jobs.services.common import _after_commit_hook, _emit, _wake
+from jobs.services.common import _after_commit_hook, _emit, _wake, job_as_dict
+from jobs import wake
 
 
 @dataclass(frozen=True)
@@ -35,19 +36,19 @@ def organization_max_waiting() -> int:
             or max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL // 2))
 
 
-def _waiting_depths(project: Project) -> tuple[int, int, int]:
+def _waiting_depths(project: Project, *, new: int = 1) -> tuple[int, int, int]:
     """Jobs waiting in the project, in its organization and in all, in one statement (each an
     index read of its own, counted up to one past its cap: enough to tell whether the cap is
-    reached, a new job of the caller's own transaction included, without reading a deep backlog
+    reached, ``new`` jobs of the caller's own transaction included, without reading a deep backlog
     further than that)."""
     waiting = Job.objects.filter(state__in=NOT_STARTED_JOB_STATES)
     counts = subqueries_row({"project": waiting.filter(project=project),
                              "organization": waiting.filter(organization_id=project.organization_id),
                              "total": waiting},
                             wrap="(SELECT COUNT(*) FROM ({}) AS waiting)",
-                            limit={"project": settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + 1,
-                                   "organization": organization_max_waiting() + 1,
-                                   "total": settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + 1})
+                            limit={"project": settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + new,
+                                   "organization": organization_max_waiting() + new,
+                                   "total": settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + new})
     return counts["project"], counts["organization"], counts["total"]
 
 
@@ -92,23 +93,9 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             existing = Job.objects.select_for_update().filter(active_dedupe_key=active_key).first()
             if existing is not None:
                 return _dedupe_hit(definition, existing, payload)
-            _caps_check(project, including_new=False)
-        job = Job(
-            type=definition.type, version=definition.version, organization_id=project.organization_id,
-            project=project, priority=definition.priority if priority is None else priority,
-            priority_class=definition.priority_class,
-            class_rank=0 if definition.priority_class == PriorityClass.INTERACTIVE else 1,
-            lane=lane, dedupe_key=key or "", active_dedupe_key=active_key,
-            payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
-            timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
-            thread_id=thread_id or (source_session_id or ""), run_id=run_id, traceparent=tracing_traceparent(),
-        )
-        now = timezone.now()
-        job.queued_at = now
-        job.not_before = not_before
-        if definition.deadline_ms:
-            job.deadline_at = now + timedelta(milliseconds=definition.deadline_ms)
-        job.to_queued()  # received → queued, checked by the FSM; the row is inserted once, queued
+            _caps_check(project, new=0)
+        job = _new_job(definition, project, payload, lane=lane, key=key, run_id=run_id, priority=priority,
+                       not_before=not_before, source_session_id=source_session_id, thread_id=thread_id)
         try:
             if active_key:
                 with transaction.atomic():
@@ -134,10 +121,100 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             # The caps last, so their locks are held for as short a time as possible: from here to
             # the commit. A cap that is reached raises, and the rollback takes every row back.
             _caps_lock(project)
-            _caps_check(project, including_new=True)
+            _caps_check(project, new=1)
         _after_commit_hook(definition, "on_queued", job)
         transaction.on_commit(_wake)
         return EnqueueResult(job, "enqueued")
+
+
+def _new_job(definition: JobDefinition, project: Project, payload: dict, *, lane: str, key: str | None,
+             run_id: int | None, priority: int | None, not_before, source_session_id: str = "",
+             thread_id: str = "") -> Job:
+    """A job of ``definition`` moved received → queued (checked by the FSM), not saved yet: the row
+    is inserted once, queued."""
+    now = timezone.now()
+    job = Job(
+        type=definition.type, version=definition.version, organization_id=project.organization_id,
+        project=project, priority=definition.priority if priority is None else priority,
+        priority_class=definition.priority_class,
+        class_rank=0 if definition.priority_class == PriorityClass.INTERACTIVE else 1,
+        lane=lane, dedupe_key=key or "", active_dedupe_key=f"{definition.type}:{key}" if key else None,
+        payload=payload, max_attempts=definition.max_attempts, max_failures=definition.max_failures,
+        timeout_s=definition.effective_timeout_s, source_session_id=source_session_id or "",
+        thread_id=thread_id or (source_session_id or ""), run_id=run_id, traceparent=tracing_traceparent(),
+        queued_at=now, not_before=not_before,
+        deadline_at=now + timedelta(milliseconds=definition.deadline_ms) if definition.deadline_ms else None,
+    )
+    job.to_queued()
+    return job
+
+
+# Payloads one ``jobs_enqueue_many`` call takes at most.
+ENQUEUE_MANY_MAX = 1000
+
+
+@traced("jobs enqueue many")
+def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id: int | None = None,
+                      priority: int | None = None, not_before=None, actor=None) -> list[EnqueueResult]:
+    """Queue several jobs of one type in one transaction: all of them or none.
+
+    Every payload is validated first (``ValidationFailed`` names the bad ones by index; nothing
+    is written). A type without dedupe is written in bulk: one INSERT of the rows, one of their
+    events, one metric row, the lanes' rows in one statement, then the caps checked once for
+    all of them (``QueueFull`` when they do not all fit: none is queued). A deduplicated type goes
+    through ``job_enqueue`` for each payload in the same transaction (each its own dedupe
+    outcome). Wakes as many workers as there are new jobs, up to the cluster's workers, after
+    commit. At most ``ENQUEUE_MANY_MAX`` payloads per call.
+    """
+    if not settings.ORCHESTRATOR_QUEUE_ENABLED:
+        raise QueueDisabled("the job queue is disabled (ORCHESTRATOR_QUEUE_ENABLED=false)")
+    definition = definition_get(job_type) if isinstance(job_type, str) else None
+    if definition is None:
+        raise ValidationFailed("unknown job type", errors={"type": [f"{job_type!r} is not a registered job type"]})
+    if not isinstance(payloads, (list, tuple)) or not payloads:
+        raise ValidationFailed("no payloads", errors={"payloads": ["a non-empty list of payloads is required"]})
+    if len(payloads) > ENQUEUE_MANY_MAX:
+        raise ValidationFailed("too many payloads", errors={"payloads": [
+            f"at most {ENQUEUE_MANY_MAX} jobs per call ({len(payloads)} given)"]})
+    valid, errors = [], {}
+    for index, payload in enumerate(payloads):
+        try:
+            payload = definition.validated(payload)
+            valid.append((payload, definition.lane_key(payload, project_id=project.pk, run_id=run_id)))
+        except ValidationFailed as exc:
+            errors[str(index)] = exc.errors or [exc.detail]
+    if errors:
+        raise ValidationFailed("invalid payloads", errors={"payloads": errors})
+    if definition.dedupe.mode != "none":
+        with transaction.atomic():
+            return [job_enqueue(job_type=job_type, project=project, payload=payload, run_id=run_id, priority=priority,
+                                not_before=not_before, actor=actor) for payload, _ in valid]
+    with transaction.atomic():
+        jobs = Job.objects.bulk_create([
+            _new_job(definition, project, payload, lane=lane, key=None, run_id=run_id, priority=priority,
+                     not_before=not_before) for payload, lane in valid])
+        for job in jobs:
+            transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
+                           **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
+        enqueued = metric_sample("jobs_enqueued", type=definition.type)
+        enqueued.count = len(jobs)
+        metrics_add([enqueued])
+        events_record([{"type": JOB_QUEUED, "organization_id": job.organization_id, "project_id": job.project_id,
+                        "run_id": job.run_id, "payload": job_as_dict(job)} for job in jobs])
+        lanes = sorted({job.lane for job in jobs if job.lane})
+        if lanes:
+            JobLane.objects.bulk_create([JobLane(key=lane) for lane in lanes], ignore_conflicts=True)
+        if actor is not None:
+            for job in jobs:
+                audit_record(actor=actor, action="job_enqueue", target_type="job", target_id=job.pk,
+                             organization_id=job.organization_id, run_id=run_id, after={"type": job.type})
+        _caps_lock(project)
+        _caps_check(project, new=len(jobs))
+        for job in jobs:
+            _after_commit_hook(definition, "on_queued", job)
+        wanted = min(len(jobs), wake.worker_count())
+        transaction.on_commit(lambda: wake.wake_workers(wanted))
+        return [EnqueueResult(job, "enqueued") for job in jobs]
 
 
 def _caps_lock(project: Project) -> None:
@@ -151,23 +228,20 @@ def _caps_lock(project: Project) -> None:
     Organization.objects.select_for_update(no_key=True).filter(pk=project.organization_id).first()
 
 
-def _caps_check(project: Project, *, including_new: bool) -> None:
-    """Raise ``QueueFull`` when the project, its organization or the whole queue has as many jobs
-    waiting as its cap allows. Read under ``_caps_lock``: every earlier enqueue of the project and
-    the organization has committed (or rolled back), and this transaction's own new job, when
-    ``including_new``, is counted and taken off."""
-    depth, in_organization, total = _waiting_depths(project)
-    if including_new:
-        depth, in_organization, total = depth - 1, in_organization - 1, total - 1
-    if depth >= settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT:
-        raise QueueFull(f"project {project.pk} has {depth} jobs waiting (cap "
-                        f"{settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT})", retry_after=_retry_hint(), scope="project")
-    if in_organization >= organization_max_waiting():
-        raise QueueFull(f"organization {project.organization_id} has {in_organization} jobs waiting (cap "
-                        f"{organization_max_waiting()})", retry_after=_retry_hint(), scope="organization")
-    if total >= settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL:
-        raise QueueFull(f"{total} jobs waiting in all projects (cap {settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL})",
-                        retry_after=_retry_hint(), scope="global")
+def _caps_check(project: Project, *, new: int) -> None:
+    """Raise ``QueueFull`` when the project, its organization or the whole queue would hold more
+    jobs waiting than its cap allows. Read under ``_caps_lock``: every earlier enqueue of the
+    project and the organization has committed (or rolled back); the ``new`` jobs this
+    transaction wrote are among those counted."""
+    depth, in_organization, total = (count - new for count in _waiting_depths(project, new=max(new, 1)))
+    for count, cap, scope, where in (
+            (depth, settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, "project", f"project {project.pk} has"),
+            (in_organization, organization_max_waiting(), "organization",
+             f"organization {project.organization_id} has"),
+            (total, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL, "global", "all projects have")):
+        if count + max(new, 1) > cap:
+            more = f" ({new} more asked for)" if new > 1 else ""
+            raise QueueFull(f"{where} {count} jobs waiting (cap {cap}){more}", retry_after=_retry_hint(), scope=scope)
 
 
 def _dedupe_hit(definition: JobDefinition, existing: Job, payload: dict) -> EnqueueResult:
