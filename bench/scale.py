@@ -344,6 +344,8 @@ def main() -> None:
                              "holding a full claim batch of 32)")
     parser.add_argument("--latency-seconds", type=float, default=10,
                         help="length of the steady stream of the latency measure (0: skip it)")
+    parser.add_argument("--latency-rate", type=float, default=0,
+                        help="jobs/s of the latency measure's stream (default 0: 60%% of the rate measured)")
     parser.add_argument("--stall-seconds", type=float, default=60,
                         help="fail when no job executes for this long (default 60)")
     parser.add_argument("--sqlite", action="store_true",
@@ -411,7 +413,7 @@ def main() -> None:
         latency = {}
         if args.latency_seconds > 0:
             for processes in (1, 2):
-                stream = max(5.0, 0.6 * max(r.rate for r in results[("ours", processes)]))
+                stream = args.latency_rate or max(5.0, 0.6 * max(r.rate for r in results[("ours", processes)]))
                 p50, p99, count, problems = measure_latency(processes, stream, args.latency_seconds, project,
                                                             child_env, out)
                 if problems:

@@ -29,7 +29,9 @@ def drain(*args, **kwargs) -> int:
     is spent; then, when the budget ran out first, send the next wake message.
 
     The budget (``ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS`` jobs, ``..._DRAIN_MAX_S`` seconds) keeps
-    one message short, so stopping a cluster waits for at most one budget plus one batch.
+    one message short, so stopping a cluster waits for at most one budget plus one batch. On
+    PostgreSQL a drain that found nothing lingers a moment for jobs enqueued meanwhile
+    (``wake.linger``, ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS``).
     """
     worker.ensure_started()
     me = worker.worker_id()
@@ -37,8 +39,11 @@ def drain(*args, **kwargs) -> int:
     budget = settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS
     done = 0
     while done < budget and time.monotonic() < deadline:
+        listening = wake.listen_mark()
         jobs = services.jobs_claim(worker=me, limit=min(_batch["size"], budget - done))
         if not jobs:
+            if wake.linger(listening, deadline):
+                continue  # a job was enqueued meanwhile: claim it now
             return done
         started = time.monotonic()
         executor.jobs_run_claimed(jobs, worker=me)

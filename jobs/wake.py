@@ -7,6 +7,14 @@ message is sent when the window ends (a job enqueued just after a worker's drain
 queue empty waits at most the window, not the maintenance pump's interval). The pump still
 re-issues messages whenever eligible jobs wait with no message in the broker (lost messages,
 retries whose backoff has passed).
+
+On PostgreSQL a worker whose drain found the queue empty does not stop at once: it lingers for
+``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS`` listening on ``CHANNEL`` (``linger``), and an enqueue
+that queues a job claimable now notifies it in its own transaction (``notify_enqueued``,
+delivered at commit): the lingering worker claims the job without waiting for a wake message to
+go through the broker. The wake message is still sent; a drain it starts finds the job taken
+and lingers in its turn. A notification lost (the worker between two statements, a reconnect)
+costs only the usual path.
 """
 
 from __future__ import annotations
@@ -70,6 +78,59 @@ def _wake_deferred() -> None:
     with _lock:
         _deferred = None
     wake_workers(1, force=True)
+
+
+CHANNEL = "orchestrator_jobs"
+# The driver connection this process listens on (a new one after a reconnect listens again).
+_listening: dict[str, object] = {"connection": None}
+
+
+def notify_enqueued() -> None:
+    """Tell lingering workers that a job claimable now was queued (PostgreSQL; sent at commit,
+    once per transaction however often it is called)."""
+    from django.db import connection
+
+    if connection.vendor == "postgresql" and settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS > 0:
+        with connection.cursor() as cursor:
+            cursor.execute(f"NOTIFY {CHANNEL}")
+
+
+def listen_mark() -> bool:
+    """Before a claim: listen on this process's connection (once per connection) and forget the
+    notifications received so far, so that ``linger`` after the claim answers for jobs enqueued
+    since. False where lingering is off (not PostgreSQL, 0 ms, inside a transaction)."""
+    from django.db import connection
+
+    if connection.vendor != "postgresql" or settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS <= 0 \
+            or connection.in_atomic_block:
+        return False
+    connection.ensure_connection()
+    raw = connection.connection
+    if _listening["connection"] is not raw:
+        with connection.cursor() as cursor:
+            cursor.execute(f"LISTEN {CHANNEL}")
+        _listening["connection"] = raw
+    for _ in raw.notifies(timeout=0):  # the ones received while it executed jobs: old news
+        pass
+    return True
+
+
+def linger(listening: bool, until: float) -> bool:
+    """After a claim found nothing: wait, until ``until`` (monotonic) at the latest and at most the
+    linger setting, for a job enqueued since ``listen_mark``. True when one was notified (also
+    while the claim ran: the driver keeps those): claim again. False when the time ran out or
+    lingering is off."""
+    from django.db import connection
+
+    if not listening or _listening["connection"] is not connection.connection:
+        return False
+    timeout = min(until - time.monotonic(), settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS / 1000)
+    try:
+        for _ in connection.connection.notifies(timeout=max(0.0, timeout), stop_after=1):
+            return True
+    except Exception:  # the connection broke: the next statement reconnects, the usual path goes on
+        logger.warning("lingering for jobs stopped: the database connection failed", exc_info=True)
+    return False
 
 
 def broker_backlog() -> int:

@@ -122,6 +122,8 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             # the commit. A cap that is reached raises, and the rollback takes every row back.
             _caps_lock(project)
             _caps_check(project, new=1)
+        if not_before is None or not_before <= job.queued_at:
+            wake.notify_enqueued()
         _after_commit_hook(definition, "on_queued", job)
         transaction.on_commit(_wake)
         return EnqueueResult(job, "enqueued")
@@ -210,6 +212,8 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
                              organization_id=job.organization_id, run_id=run_id, after={"type": job.type})
         _caps_lock(project)
         _caps_check(project, new=len(jobs))
+        if not_before is None or not_before <= jobs[0].queued_at:
+            wake.notify_enqueued()
         for job in jobs:
             _after_commit_hook(definition, "on_queued", job)
         wanted = min(len(jobs), wake.worker_count())

@@ -1,0 +1,85 @@
+"""A drain that found the queue empty lingers for jobs enqueued meanwhile (PostgreSQL LISTEN/NOTIFY)
+and runs them without a wake message."""
+
+import threading
+import pytest
+from django.db import connection
+
+from jobs import tasks, wake
+from jobs.models import Job, JobState
+from jobs.services import job_enqueue, jobs_enqueue_many
+
+
+@pytest.fixture
+def lingering(monkeypatch):
+    """Set once a drain, its claim empty, starts to linger; no heartbeat thread is started."""
+    monkeypatch.setattr("jobs.worker.ensure_started", lambda: None)
+    started = threading.Event()
+    linger = wake.linger
+
+    def observed(listening, until):
+        started.set()
+        return linger(listening, until)
+
+    monkeypatch.setattr("jobs.wake.linger", observed)
+    return started
+
+
+def _drain_in_thread(results: list) -> threading.Thread:
+    def run():
+        try:
+            results.append(tasks.drain())
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("bulk", [False, True])
+def test_a_lingering_drain_runs_a_job_enqueued_after_it_found_nothing(project, settings, monkeypatch, bulk,
+                                                                     lingering):
+    settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS = 3_000  # then it comes back: nothing more is enqueued
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))  # no message reaches a worker
+    results: list[int] = []
+    thread = _drain_in_thread(results)
+    assert lingering.wait(timeout=10)
+    if bulk:
+        ids = [result.job.pk for result in jobs_enqueue_many(job_type="noop", project=project,
+                                                               payloads=[{"n": 0}, {"n": 1}])]
+    else:
+        ids = [job_enqueue(job_type="noop", project=project, payload={"n": 0}).job.pk]
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the drain did not come back: it missed the notification"
+    assert results == [len(ids)]
+    assert set(Job.objects.filter(pk__in=ids).values_list("state", flat=True)) == {JobState.COMPLETED}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_job_enqueued_for_later_does_not_wake_a_lingering_drain(project, settings, lingering):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS = 1_500
+    results: list[int] = []
+    thread = _drain_in_thread(results)
+    assert lingering.wait(timeout=10)
+    later = job_enqueue(job_type="noop", project=project, payload={},
+                        not_before=timezone.now() + timedelta(hours=1)).job
+    thread.join(timeout=20)
+    assert results == [0]
+    later.refresh_from_db()
+    assert later.state == JobState.QUEUED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_without_lingering_a_drain_that_finds_nothing_returns_at_once(project, settings, lingering):
+    settings.ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS = 0
+    assert wake.listen_mark() is False
+    assert tasks.drain() == 0
