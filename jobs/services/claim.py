@@ -16,7 +16,7 @@ from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
-from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql
+from jobs.services.claim_sql import CLAIM_LOCK_KEY, claim_sql, events_inline
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
 logger = logging.getLogger("orchestrator.jobs")
@@ -106,9 +106,10 @@ def _claim(limit: int, params: dict) -> list[Job]:
             return []
         claimed.sort(key=lambda job: job.slot)  # slots were handed out in claim order
         _lanes_streak(claimed)
-        events_record([{"type": JOB_STATE_EVENTS[JobState.EXECUTING], "organization_id": job.organization_id,
-                        "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
-                       for job in claimed])
+        if not events_inline():
+            events_record([{"type": JOB_STATE_EVENTS[JobState.EXECUTING], "organization_id": job.organization_id,
+                            "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
+                           for job in claimed])
         for job in claimed:
             # No way leads back to queued (seed 000's matrix): a job waited queued before its
             # first attempt, awaiting_tool before any later one.

@@ -11,7 +11,10 @@ One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``)
 4. ``in_organization`` and ``organization_free``: the n-th job of an organization gets the
    organization's n-th free slot (none free: the job stays queued);
 5. ``chosen``: the n-th remaining job gets the n-th free global slot, at most ``batch`` jobs; a job
-   whose type is claimed alone (``claim_alone``) only heads a batch of one (the batch ends before it).
+   whose type is claimed alone (``claim_alone``) only heads a batch of one (the batch ends before it);
+6. on PostgreSQL, ``claimed`` and ``events``: the claimed rows' events are inserted by the same
+   statement (their payloads built as ``job_as_dict`` builds them), so the claim lock is not held
+   over another round trip.
 
 Slots are handed out in claim order (the lowest first), so ordering the claimed rows by slot
 gives the claim order back. Every constant of the statement (the waiting states, the number of
@@ -26,6 +29,8 @@ import zlib
 
 from django.db import connection
 
+from core.models import Event
+from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import claim_alone_types
 from jobs.services.common import _job_columns
@@ -46,15 +51,22 @@ def claim_sql(limit: int) -> str:
     key = (connection.vendor, candidates, alone)
     if key not in _SQL:
         _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked,
-                           alone=alone)
+                           alone=alone, events_inline=events_inline())
     return _SQL[key]
+
+
+def events_inline() -> bool:
+    """Whether the claim statement writes the claimed jobs' events itself (PostgreSQL: a data-modifying
+    ``WITH``), so the claim lock is not held over one more round trip; elsewhere ``jobs_claim``
+    writes them after the statement."""
+    return connection.vendor == "postgresql"
 
 
 def _literal(value: str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -> str:
+def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), events_inline: bool = False) -> str:
     qn = connection.ops.quote_name
     job, lane, pause = qn(Job._meta.db_table), qn(JobLane._meta.db_table), qn(QueuePause._meta.db_table)
     waiting = ", ".join(_literal(state) for state in sorted(WAITING_JOB_STATES))
@@ -118,8 +130,37 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = ()) -
         " AND e.slot = s.s)),"
         " chosen AS (SELECT c.id, c.organization_slot, f.slot FROM organization_ok c JOIN free f ON f.n = c.n"
         f" WHERE c.n <= %(batch)s{head})"
-        f" UPDATE {job} SET state = {executing}, reason = '', attempts = attempts + 1, slot = chosen.slot,"
+        + (" , claimed AS (" if events_inline else "")
+        + f" UPDATE {job} SET state = {executing}, reason = '', attempts = attempts + 1, slot = chosen.slot,"
         " organization_slot = chosen.organization_slot, worker = %(worker)s, not_before = NULL,"
         " started_at = COALESCE(started_at, %(now)s), lease_expires_at = %(lease)s, updated_at = %(touched)s"
         f" FROM chosen WHERE {job}.id = chosen.id RETURNING {columns}"
+        + (f"), events AS ({_events_insert()}) SELECT * FROM claimed" if events_inline else "")
     )
+
+
+def _iso(column: str) -> str:
+    """SQL writing a timestamp as Python's ``datetime.isoformat()`` writes an aware UTC one
+    (``core.timefmt.isoformat_or_none``): microseconds only when not zero, ``+00:00``."""
+    utc = f"({column} AT TIME ZONE 'UTC')"
+    return (f"CASE WHEN {column} IS NULL THEN NULL ELSE to_char({utc}, 'YYYY-MM-DD\"T\"HH24:MI:SS')"
+            f" || CASE WHEN date_part('microseconds', {utc})::bigint %% 1000000 = 0 THEN ''"
+            f" ELSE to_char({utc}, '.US') END || '+00:00' END")
+
+
+def _events_insert() -> str:
+    """The claimed jobs' events (``job_as_dict`` of each, built by the statement), in claim order
+    (the slots were handed out in it), their ids increasing in that order."""
+    qn = connection.ops.quote_name
+    event = qn(Event._meta.db_table)
+    payload = (
+        "jsonb_build_object('jobId', c.id, 'projectId', c.project_id, 'jobType', c.type, 'state', c.state,"
+        " 'reason', c.reason, 'priority', c.priority_class, 'lane', c.lane, 'attempts', c.attempts,"
+        f" 'maxAttempts', c.max_attempts, 'createdAt', {_iso('c.created_at')}, 'startedAt', {_iso('c.started_at')},"
+        f" 'completedAt', {_iso('c.completed_at')}, 'error', NULLIF(c.error, ''), 'result', c.result)"
+        " || jsonb_strip_nulls(jsonb_build_object('sourceSessionId', NULLIF(c.source_session_id, ''),"
+        " 'threadId', NULLIF(c.thread_id, ''), 'runId', NULLIF(c.run_id, 0)))"
+    )
+    return (f"INSERT INTO {event} (type, organization_id, project_id, run_id, payload, created_at)"
+            f" SELECT {_literal(JOB_STATE_EVENTS[JobState.EXECUTING])}, c.organization_id, c.project_id, c.run_id,"
+            f" {payload}, %(touched)s FROM claimed c ORDER BY c.slot")

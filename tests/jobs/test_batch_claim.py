@@ -294,3 +294,24 @@ def _explain_prepared(name: str, text: str) -> tuple[str, tuple]:
                              for key, kind in zip(names, types))
         cursor.execute(f'EXPLAIN EXECUTE "{name}"({literals})')
         return "\n".join(row[0] for row in cursor.fetchall()), (generic, custom)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_claimed_job_has_its_executing_event_as_the_api_shows_the_job(project, types, settings):
+    """The executing events of a batch (written by the claim statement itself on PostgreSQL) are
+    in claim order and carry exactly the job's API form, optional fields included."""
+    from core.models import Event
+    from jobs.events import JOB_STATE_EVENTS
+    from jobs.services import job_as_dict
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
+    plain = job_enqueue(job_type="noop", project=project, payload={"n": 0}).job
+    threaded = job_enqueue(job_type="noop", project=project, payload={"n": 1}, source_session_id="s-1",
+                           thread_id="t-1").job
+    claimed = jobs_claim(worker="w1", limit=4)
+    assert [job.pk for job in claimed] == [plain.pk, threaded.pk]
+    events = list(Event.objects.filter(type=JOB_STATE_EVENTS[JobState.EXECUTING]).order_by("id"))
+    assert [event.payload for event in events] == [job_as_dict(Job.objects.get(pk=job.pk)) for job in claimed]
+    assert events[1].payload["sourceSessionId"] == "s-1" and "runId" not in events[0].payload
+    assert all(event.project_id == project.pk and event.organization_id == project.organization_id
+               for event in events)
