@@ -110,24 +110,7 @@ class RunTree:
         """The steps with their tasks and agents, one object per node, in one prepared statement."""
         with hot_cursor() as cursor:
             cursor.execute(_tree_sql(), [run.pk, run.pk, run.pk, run.attempt_number])
-            rows = cursor.fetchall()
-        tasks: dict[int, Task] = {}
-        agents: dict[int, Agent] = {}
-        steps = []
-        task_at, agent_at = _STEP_ROWS.width, _STEP_ROWS.width + _TASK_ROWS.width
-        task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
-        for row in rows:
-            step = _STEP_ROWS.load(row)
-            task = tasks.get(row[task_pk])
-            if task is None:
-                task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
-                agent = agents.get(row[agent_pk])
-                if agent is None:
-                    agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
-                task.agent = agent
-            step.task = task
-            steps.append(step)
-        return steps
+            return _tree_steps(cursor.fetchall())
 
     def agents_in_order(self) -> list[Agent]:
         return sorted(self.agents.values(), key=lambda a: a.sequence)
@@ -144,6 +127,34 @@ class RunTree:
 
 
 _STEP_ROWS, _TASK_ROWS, _AGENT_ROWS = ModelRows(Step), ModelRows(Task), ModelRows(Agent)
+_TREE_WIDTH = _STEP_ROWS.width + _TASK_ROWS.width + _AGENT_ROWS.width
+
+
+def _tree_steps(rows, start: int = 0) -> list[Step]:
+    """The steps of rows holding a step's, its task's and its agent's columns from ``start`` (the tree
+    statement's), one object per node; a row whose step is NULL (an outer join's) holds none."""
+    tasks: dict[int, Task] = {}
+    agents: dict[int, Agent] = {}
+    steps = []
+    step_pk = start + _STEP_ROWS.names.index("id")
+    task_at, agent_at = start + _STEP_ROWS.width, start + _STEP_ROWS.width + _TASK_ROWS.width
+    task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
+    for row in rows:
+        if row[step_pk] is None:
+            continue
+        step = _STEP_ROWS.load(row, start)
+        task = tasks.get(row[task_pk])
+        if task is None:
+            task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
+            agent = agents.get(row[agent_pk])
+            if agent is None:
+                agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
+            task.agent = agent
+        step.task = task
+        steps.append(step)
+    return steps
+
+
 @per_vendor
 def _tree_sql() -> str:
     """The current attempt's nodes of a run: each table filtered by its own run index (the run's
@@ -167,6 +178,46 @@ def _run_tree(run: Run) -> RunTree:
         if scope is not None:
             run.__dict__["_tree"] = tree
     return tree
+
+
+_STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
+
+
+def _step_attempt_read(run: Run, attempt_id: int) -> StepAttempt | None:
+    """A step attempt of a locked run (None when there is none), read with the run's current attempt
+    and tree in one prepared statement: in a ``run_atomic()`` transaction both are kept on the run as
+    ``_current_attempt`` and ``_run_tree`` keep them (read under the run's lock, as those read them)."""
+    number = run.attempt_number
+    with hot_cursor() as cursor:
+        cursor.execute(_step_attempt_read_sql(), [number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
+        rows = cursor.fetchall()
+    if not rows:
+        return None
+    attempt = _STEP_ATTEMPT_ROWS.load(rows[0])
+    scope = run_atomic_scope()
+    if scope is not None:
+        at = _STEP_ATTEMPT_ROWS.width
+        if rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
+            run.__dict__["_attempt"] = (scope, number, _ATTEMPT_ROWS.load(rows[0], at))
+        tree = RunTree(run, steps=_tree_steps(rows, at + _ATTEMPT_ROWS.width))
+        tree.scope = scope
+        run.__dict__["_tree"] = tree
+    return attempt
+
+
+@per_vendor
+def _step_attempt_read_sql() -> str:
+    """A step attempt, the run's attempt of a number and that attempt's tree (``_tree_sql``'s rows, an
+    outer join: one row with none when it has no nodes yet)."""
+    qn = connection.ops.quote_name
+    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    return (f"SELECT {_STEP_ATTEMPT_ROWS.columns('m')}, {_ATTEMPT_ROWS.columns('a')}, {_STEP_ROWS.columns('s')},"
+            f" {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('g')}"
+            f" FROM {qn(StepAttempt._meta.db_table)} m"
+            f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
+            f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
+            " ON s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
+            " WHERE m.id = %s")
 
 
 def _run_tree_forget(run: Run) -> None:
@@ -258,13 +309,14 @@ def _current_attempt_sql() -> str:
 
 
 def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
-    """End the attempt (with the release ``_settle(..., save=False)`` just made, in one UPDATE)."""
+    """End the attempt (with the release ``_settle(..., save=False)`` just made, and a charge not saved
+    yet, ``_charge(..., save=False)``, in one UPDATE)."""
     if attempt is None:
         return
     attempt.outcome = outcome
     attempt.error_code = error_code
     attempt.ended_at = timezone.now()
-    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_refunded"])
+    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_charged", "credits_refunded"])
 
 
 def _duration_ms(run: Run, end) -> int:

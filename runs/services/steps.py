@@ -17,7 +17,6 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
-from core.sql import ModelRows
 from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
@@ -39,6 +38,7 @@ from runs.services.common import (
     _node_event,
     _node_move,
     _run_tree,
+    _step_attempt_read,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
@@ -173,14 +173,11 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     return attempt
 
 
-_STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
-
-
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
     """The attempt, its step and its run (locked); the step is the run tree's own object when the
     attempt belongs to the current attempt of the run."""
     run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
-    attempt = _STEP_ATTEMPT_ROWS.by_pk(attempt_id)  # read under the run's lock: settled or not
+    attempt = _step_attempt_read(run, attempt_id)  # read under the run's lock: settled or not
     if attempt is None:
         raise NotFound(f"step attempt {attempt_id} does not exist")
     step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
@@ -258,8 +255,9 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     run_attempt = _current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
-        try:
-            _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+        try:  # the attempt's charged figure is saved below, or when the run settles and closes it
+            _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}",
+                    save=False)
         except CreditLimitExceeded as exc:
             return _attempt_failed(run, attempt, step, code="credit_limit_exceeded", message=exc.detail,
                                    retryable=False, charge=False)
@@ -274,6 +272,8 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
         bookkeeping.step_pins_record(run, step)
     status = run.status
     _after_step_done(run, step.task)
+    if cost and not run_attempt.outcome:  # not closed (with its charged figure) by a settlement
+        run_attempt.save(update_fields=["credits_charged"])
     if run.status == status:  # not settled by the step (a settlement saves the whole run)
         run.last_heartbeat = timezone.now()  # a worker settled a step of the run: it is alive
         run.save(update_fields=["credits_charged", "last_heartbeat", "updated_at"])
