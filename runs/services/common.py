@@ -60,25 +60,63 @@ _RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
 
 
 @per_vendor
-def _lock_run_of_sql(model) -> str:
+def _lock_run_of_sql(model, reads: str = "") -> str:
+    """The run of a ``model`` row, locked, and its project; ``reads`` ``"tree"``: with the current
+    attempt's tree (``_tree_sql``'s columns, an outer join), ``"step_attempt"``: with the step attempt
+    (the row itself), the run's current attempt and its tree (``_step_attempt_read_sql``'s columns)."""
     qn = connection.ops.quote_name
     lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
-    return (f"SELECT {_RUN_ROWS.columns('r')}, {_PROJECT_ROWS.columns('p')} FROM {qn(Run._meta.db_table)} r"
-            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id"
+    columns, joins = [_RUN_ROWS.columns("r"), _PROJECT_ROWS.columns("p")], []
+    if reads == "step_attempt":
+        columns += [_STEP_ATTEMPT_ROWS.columns("m"), _ATTEMPT_ROWS.columns("a")]
+        joins += [f" LEFT JOIN {qn(StepAttempt._meta.db_table)} m ON m.id = %s AND m.run_id = r.id",
+                  f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = r.attempt_number AND a.run_id = r.id"]
+    if reads:
+        step, task, agent = (qn(node._meta.db_table) for node in (Step, Task, Agent))
+        columns += [_STEP_ROWS.columns("s"), _TASK_ROWS.columns("t"), _AGENT_ROWS.columns("g")]
+        joins.append(f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g"
+                     " ON g.id = t.agent_id) ON s.run_id = r.id AND t.run_id = r.id AND g.run_id = r.id"
+                     " AND g.attempt_number = r.attempt_number")
+    return (f"SELECT {', '.join(columns)} FROM {qn(Run._meta.db_table)} r"
+            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id{''.join(joins)}"
             f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
 
 
-def _lock_run_of(model, pk: int, *, entity: str) -> Run:
+def _lock_run_of(model, pk: int, *, entity: str, tree: bool = False) -> Run:
     """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
-    one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row."""
+    one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row.
+    ``tree``: the run's tree is kept on it too (``_run_tree``), read in the same statement where the
+    transaction holds the database's write lock from its first statement (SQLite's ``BEGIN
+    IMMEDIATE``), else after the lock: on PostgreSQL a statement that waited for the row lock would
+    read the other rows as they were before it waited."""
+    return _lock_run_reading(model, pk, entity=entity, reads="tree" if tree else "")[0]
+
+
+def _lock_run_of_step_attempt(attempt_id: int) -> tuple[Run, StepAttempt | None]:
+    """The run of a step attempt, locked (``_lock_run_of``), and the attempt (None when there is
+    none), read with the run's current attempt and tree (``_step_attempt_read``)."""
+    return _lock_run_reading(StepAttempt, attempt_id, entity="step attempt", reads="step_attempt")
+
+
+def _lock_run_reading(model, pk: int, *, entity: str, reads: str) -> tuple[Run, StepAttempt | None]:
+    together = reads and connection.vendor == "sqlite"
     with hot_cursor() as cursor:
-        cursor.execute(_lock_run_of_sql(model), [pk])
-        row = cursor.fetchone()
-    if row is None:
+        cursor.execute(_lock_run_of_sql(model, reads if together else ""),
+                       [pk, pk] if together and reads == "step_attempt" else [pk])
+        rows = cursor.fetchall()
+    if not rows:
         raise NotFound(f"{entity} {pk} does not exist")
-    run = _RUN_ROWS.load(row)
-    run.project = _PROJECT_ROWS.load(row, _RUN_ROWS.width)
-    return run
+    run = _RUN_ROWS.load(rows[0])
+    run.project = _PROJECT_ROWS.load(rows[0], _RUN_ROWS.width)
+    at = _RUN_ROWS.width + _PROJECT_ROWS.width
+    if reads == "step_attempt":
+        return run, (_step_attempt_kept(run, rows, at) if together else _step_attempt_read(run, pk))
+    if reads == "tree":
+        if together:
+            _run_tree_keep(run, _tree_steps(rows, at))
+        else:
+            _run_tree(run)
+    return run, None
 
 
 class RunTree:
@@ -191,18 +229,31 @@ def _step_attempt_read(run: Run, attempt_id: int) -> StepAttempt | None:
     with hot_cursor() as cursor:
         cursor.execute(_step_attempt_read_sql(), [number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
         rows = cursor.fetchall()
-    if not rows:
+    return _step_attempt_kept(run, rows, 0)
+
+
+def _step_attempt_kept(run: Run, rows, at: int) -> StepAttempt | None:
+    """The step attempt of rows holding its columns from ``at``, then the run's current attempt's and
+    its tree's; the attempt and the tree kept on the run (in a ``run_atomic()`` transaction)."""
+    if not rows or rows[0][at + _STEP_ATTEMPT_ROWS.names.index("id")] is None:
         return None
-    attempt = _STEP_ATTEMPT_ROWS.load(rows[0])
+    attempt = _STEP_ATTEMPT_ROWS.load(rows[0], at)
+    at += _STEP_ATTEMPT_ROWS.width
+    scope = run_atomic_scope()
+    if scope is not None and rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
+        run.__dict__["_attempt"] = (scope, run.attempt_number, _ATTEMPT_ROWS.load(rows[0], at))
+    _run_tree_keep(run, _tree_steps(rows, at + _ATTEMPT_ROWS.width))
+    return attempt
+
+
+def _run_tree_keep(run: Run, steps: list[Step]) -> None:
+    """Keep the tree of ``steps`` (the current attempt's, just read under the run's lock) on the run
+    for the rest of the ``run_atomic()`` transaction (nothing outside one)."""
     scope = run_atomic_scope()
     if scope is not None:
-        at = _STEP_ATTEMPT_ROWS.width
-        if rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
-            run.__dict__["_attempt"] = (scope, number, _ATTEMPT_ROWS.load(rows[0], at))
-        tree = RunTree(run, steps=_tree_steps(rows, at + _ATTEMPT_ROWS.width))
+        tree = RunTree(run, steps=steps)
         tree.scope = scope
         run.__dict__["_tree"] = tree
-    return attempt
 
 
 @per_vendor

@@ -38,7 +38,7 @@ from runs.services.common import (
     _node_event,
     _node_move,
     _run_tree,
-    _step_attempt_read,
+    _lock_run_of_step_attempt,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
@@ -133,7 +133,7 @@ def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | 
     (locked), the step and the attempt in the same transaction (the engine records the tool call
     there, after this begin's events).
     """
-    run = _lock_run_of(Step, step_id, entity="step")
+    run = _lock_run_of(Step, step_id, entity="step", tree=True)
     step = _run_tree(run).steps.get(step_id) or Step.objects.select_related("task__agent").get(pk=step_id)
     if run.status != Run.Status.RUNNING:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="begin step",
@@ -176,8 +176,7 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
     """The attempt, its step and its run (locked); the step is the run tree's own object when the
     attempt belongs to the current attempt of the run."""
-    run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
-    attempt = _step_attempt_read(run, attempt_id)  # read under the run's lock: settled or not
+    run, attempt = _lock_run_of_step_attempt(attempt_id)  # the attempt read under the run's lock: settled or not
     if attempt is None:
         raise NotFound(f"step attempt {attempt_id} does not exist")
     step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
