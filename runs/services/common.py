@@ -56,6 +56,40 @@ def _lock_run(run_id: int) -> Run:
     return row_lock(Run, run_id, entity="run")
 
 
+def _lock_run_moved(run_id: int, action: str, *, source: str) -> Run | None:
+    """The run's row lock and its move by the transition ``action`` from ``source`` in one guarded
+    ``UPDATE ... RETURNING`` (built once per vendor), with the fields the service saves with that
+    move (``_RUN_MOVES``): the run as it is after. Only a run in ``source`` that is not gated (and
+    passes the move's own guard) moves this way, the common case; None otherwise, with nothing
+    written: the caller takes the row lock and goes the usual way (no-op, refusal, gated run)."""
+    if not connection.features.can_return_columns_from_insert:  # no RETURNING (SQLite before 3.35)
+        return None
+    target = getattr(Run, action)._django_fsm.get_transition(source).target
+    field = Run._meta.get_field("updated_at")
+    now = field.get_db_prep_value(timezone.now(), connection)
+    with hot_cursor() as cursor:
+        cursor.execute(_run_moved_sql(action), [target, now, now, *[now] * _RUN_MOVES[action][1], run_id, source])
+        row = cursor.fetchone()
+    return None if row is None else _RUN_ROWS.load(row)
+
+
+# The moves ``_lock_run_moved`` makes: what the service saves with the move (SQL, with so many
+# parameters, each the time of the move) and a further guard.
+_RUN_MOVES = {
+    "start": ("credits_reserved = credits_reserved + credit_limit", 0, " AND deleted_at IS NULL"),
+    "mark_running": ("last_heartbeat = %s, started_at = COALESCE(started_at, %s)", 2, " AND status_reason = ''"),
+}
+
+
+@per_vendor
+def _run_moved_sql(action: str) -> str:
+    qn = connection.ops.quote_name
+    also, _, guard = _RUN_MOVES[action]
+    columns = ", ".join(qn(field.column) for field in _RUN_ROWS.fields)
+    return (f"UPDATE {qn(Run._meta.db_table)} SET status = %s, status_changed_at = %s, updated_at = %s, {also}"
+            f" WHERE id = %s AND status = %s AND NOT gated{guard} RETURNING {columns}")
+
+
 _RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
 
 
@@ -298,16 +332,19 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
-                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False) -> None:
+                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False,
+                       moved: bool = False) -> None:
     """Save the run and write its event, audit row and log line (``created``: the run was just
-    inserted as it is, with its ``status_changed_at``)."""
+    inserted as it is, with its ``status_changed_at``; ``moved``: it was just moved and saved as it
+    is by ``_lock_run_moved``)."""
     now = timezone.now()
     if before["status"] != run.status and not created:
-        run.status_changed_at = now
+        if not moved:
+            run.status_changed_at = now
         if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
-    if not created:
+    if not created and not moved:
         run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {

@@ -40,6 +40,7 @@ from runs.services.common import (
     _dispatch_after_commit,
     _duration_ms,
     _lock_run,
+    _lock_run_moved,
     _node_move,
     _nodes_move,
     _record_run_change,
@@ -114,6 +115,15 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
 
     Already pending: returns the run unchanged. ``InsufficientCredits`` leaves it created.
     """
+    run = _lock_run_moved(run_id, "start", source=Run.Status.CREATED)
+    if run is not None:  # locked and saved pending with its reservation (inserted and written below)
+        before = {**_snapshot(run), "status": Run.Status.CREATED,
+                  "credits_reserved": run.credits_reserved - run.credit_limit}
+        run.credits_reserved = before["credits_reserved"]  # what _reserve adds as it reserves
+        _reserve(run, RunAttempt(run=run, number=run.attempt_number), actor=actor, reason=reason)
+        _record_run_change(run, before=before, action="start", actor=actor, reason=reason, moved=True)
+        _dispatch_after_commit(run.pk)
+        return run
     run = _lock_run(run_id)
     if run.status == Run.Status.PENDING:
         return run
@@ -134,6 +144,15 @@ def run_mark_running(*, run_id: int, then: Callable[[Run], Any] | None = None) -
     """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op.
     ``then`` is called with the run (locked) in the same transaction when the run is running
     (the engine schedules its runnable steps there)."""
+    run = _lock_run_moved(run_id, "mark_running", source=Run.Status.PENDING)
+    if run is not None:  # locked and saved running, with its heartbeat and start
+        before = {**_snapshot(run), "status": Run.Status.PENDING}
+        if _spawn_hierarchy(run):
+            bookkeeping.pipeline_begin(run)
+        _record_run_change(run, before=before, action="mark_running", moved=True)
+        if then is not None:
+            then(run)
+        return run
     run = _lock_run(run_id)
     if run.status == Run.Status.RUNNING:
         if then is not None:
