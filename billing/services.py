@@ -68,19 +68,24 @@ def _account_locked(organization_id: int) -> CreditAccount:
 
 def _account_locked_with_keys(organization_id: int, entries: list) -> tuple[CreditAccount, dict[tuple, int]]:
     """The organization's account, locked, and the ids of the entries already written under the
-    ``(run, kind, key)`` of ``entries`` (those found). On SQLite the transaction holds the database's
-    write lock from its first statement (``BEGIN IMMEDIATE``), so the keys are read in the statement
-    that reads the account; on PostgreSQL a statement that waited for the row lock would read them as
-    they were before it waited, so they are read after it, one statement each."""
+    ``(run, kind, key)`` of ``entries`` (those found), read in the statement that locks the account.
+
+    On PostgreSQL a statement that waited for the row lock returns the account as the writer it
+    waited for left it, but reads other rows (the entries) as they were when it began: it also reads
+    the account's last entry hash as it was then, and when that is not the one it locked (an entry
+    was appended meanwhile) the keys are read again, after the lock. (On SQLite the transaction holds
+    the database's write lock from its first statement: nothing is appended meanwhile.)"""
     keys = list(dict.fromkeys((entry.run_id, entry.kind, entry.idempotency_key) for entry in entries))
-    if keys and connection.vendor == "sqlite":
+    if keys:
         with hot_cursor() as cursor:
             cursor.execute(_account_with_keys_sql(len(keys)),
                            [value for key in keys for value in key] + [organization_id])
             row = cursor.fetchone()
         if row is not None:
-            found = {key: entry_id for key, entry_id in zip(keys, row[_ACCOUNT_ROWS.width:]) if entry_id is not None}
-            return _ACCOUNT_ROWS.load(row), found
+            account, seen = _ACCOUNT_ROWS.load(row), row[_ACCOUNT_ROWS.width]
+            if seen == account.last_entry_hash:
+                return account, {key: entry_id for key, entry_id in zip(keys, row[_ACCOUNT_ROWS.width + 1:])
+                                 if entry_id is not None}
     account = _account_locked(organization_id)
     found = {}
     for run_id, kind, key in keys:
@@ -95,12 +100,15 @@ _ACCOUNT_ROWS = ModelRows(CreditAccount)
 
 @per_vendor
 def _account_with_keys_sql(count: int) -> str:
-    """The account of an organization and, per ``(run, kind, key)``, the id of its entry (or NULL)."""
+    """The account of an organization, locked, its last entry hash as the statement's snapshot has
+    it, and per ``(run, kind, key)`` the id of its entry (or NULL)."""
     qn = connection.ops.quote_name
+    table = qn(CreditAccount._meta.db_table)
     lookup = (f"(SELECT e.id FROM {qn(LedgerEntry._meta.db_table)} e"
               " WHERE e.run_id = %s AND e.kind = %s AND e.idempotency_key = %s)")
-    return (f"SELECT {_ACCOUNT_ROWS.columns('c')}, {', '.join([lookup] * count)}"
-            f" FROM {qn(CreditAccount._meta.db_table)} c WHERE c.organization_id = %s")
+    lock = " FOR UPDATE OF c" if connection.features.has_select_for_update_of else ""
+    return (f"SELECT {_ACCOUNT_ROWS.columns('c')}, (SELECT s.last_entry_hash FROM {table} s WHERE s.id = c.id),"
+            f" {', '.join([lookup] * count)} FROM {table} c WHERE c.organization_id = %s{lock}")
 
 
 def _existing(*, organization_id: int, run_id: int | None, kind: str, key: str) -> LedgerEntry | None:
