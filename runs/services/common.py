@@ -102,7 +102,7 @@ def _lock_run_of_sql(model, reads: str = "") -> str:
     lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
     columns, joins = [_RUN_ROWS.columns("r"), _PROJECT_ROWS.columns("p")], []
     if reads == "step_attempt":
-        columns += [_STEP_ATTEMPT_ROWS.columns("m"), _ATTEMPT_ROWS.columns("a")]
+        columns += [_STEP_ATTEMPT_ROWS.columns("m"), _ATTEMPT_ROWS.columns("a"), _open_artifacts_sql("r.id")]
         joins += [f" LEFT JOIN {qn(StepAttempt._meta.db_table)} m ON m.id = %s AND m.run_id = r.id",
                   f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = r.attempt_number AND a.run_id = r.id"]
     if reads:
@@ -261,23 +261,42 @@ def _step_attempt_read(run: Run, attempt_id: int) -> StepAttempt | None:
     ``_current_attempt`` and ``_run_tree`` keep them (read under the run's lock, as those read them)."""
     number = run.attempt_number
     with hot_cursor() as cursor:
-        cursor.execute(_step_attempt_read_sql(), [number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
+        cursor.execute(_step_attempt_read_sql(), [run.pk, number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
         rows = cursor.fetchall()
     return _step_attempt_kept(run, rows, 0)
 
 
 def _step_attempt_kept(run: Run, rows, at: int) -> StepAttempt | None:
-    """The step attempt of rows holding its columns from ``at``, then the run's current attempt's and
-    its tree's; the attempt and the tree kept on the run (in a ``run_atomic()`` transaction)."""
+    """The step attempt of rows holding its columns from ``at``, then the run's current attempt's,
+    whether the run has artifacts without an expiry, and its tree's; the attempt, that answer and
+    the tree kept on the run (in a ``run_atomic()`` transaction)."""
     if not rows or rows[0][at + _STEP_ATTEMPT_ROWS.names.index("id")] is None:
         return None
     attempt = _STEP_ATTEMPT_ROWS.load(rows[0], at)
     at += _STEP_ATTEMPT_ROWS.width
     scope = run_atomic_scope()
-    if scope is not None and rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
-        run.__dict__["_attempt"] = (scope, run.attempt_number, _ATTEMPT_ROWS.load(rows[0], at))
-    _run_tree_keep(run, _tree_steps(rows, at + _ATTEMPT_ROWS.width))
+    if scope is not None:
+        if rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
+            run.__dict__["_attempt"] = (scope, run.attempt_number, _ATTEMPT_ROWS.load(rows[0], at))
+        run.__dict__["_open_artifacts"] = (scope, bool(rows[0][at + _ATTEMPT_ROWS.width]))
+    _run_tree_keep(run, _tree_steps(rows, at + _ATTEMPT_ROWS.width + 1))
     return attempt
+
+
+def _open_artifacts_sql(run_id: str) -> str:
+    """Whether the run ``run_id`` (SQL) has artifacts without an expiry (a column)."""
+    qn = connection.ops.quote_name
+    return (f"EXISTS (SELECT 1 FROM {qn(Artifact._meta.db_table)} x"
+            f" WHERE x.run_id = {run_id} AND x.expires_at IS NULL)")
+
+
+def _artifacts_open(run: Run) -> bool:
+    """Whether the run may have artifacts without an expiry: not when the run's read under its lock
+    in this ``run_atomic()`` transaction found none (``_step_attempt_kept``); artifacts are written
+    outside the run services, never in their transactions."""
+    known = run.__dict__.get("_open_artifacts")
+    scope = run_atomic_scope()
+    return not (scope is not None and known is not None and known[0] is scope and not known[1])
 
 
 def _run_tree_keep(run: Run, steps: list[Step]) -> None:
@@ -292,12 +311,13 @@ def _run_tree_keep(run: Run, steps: list[Step]) -> None:
 
 @per_vendor
 def _step_attempt_read_sql() -> str:
-    """A step attempt, the run's attempt of a number and that attempt's tree (``_tree_sql``'s rows, an
-    outer join: one row with none when it has no nodes yet)."""
+    """A step attempt, whether a run has artifacts without an expiry, the run's attempt of a number and
+    that attempt's tree (``_tree_sql``'s rows, an outer join: one row with none when it has no nodes
+    yet)."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    return (f"SELECT {_STEP_ATTEMPT_ROWS.columns('m')}, {_ATTEMPT_ROWS.columns('a')}, {_STEP_ROWS.columns('s')},"
-            f" {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('g')}"
+    return (f"SELECT {_STEP_ATTEMPT_ROWS.columns('m')}, {_ATTEMPT_ROWS.columns('a')}, {_open_artifacts_sql('%s')},"
+            f" {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('g')}"
             f" FROM {qn(StepAttempt._meta.db_table)} m"
             f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
             f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
@@ -341,7 +361,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
     if before["status"] != run.status and not created:
         if not moved:
             run.status_changed_at = now
-        if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
+        if run.status in SETTLED_RUN_STATES and _artifacts_open(run):  # settled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
     if not created and not moved:
