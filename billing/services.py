@@ -173,6 +173,9 @@ def _entries_save(account: CreditAccount, entries: list[LedgerEntry]) -> None:
     A duplicate written around the services still fails (``ValidationFailed``) and, being a
     failed statement, fails the caller's transaction with it."""
     try:
+        if connection.vendor == "postgresql":
+            _entries_save_together(account, entries)
+            return
         if len(entries) == 1:
             entries[0].save()
         else:
@@ -183,6 +186,38 @@ def _entries_save(account: CreditAccount, entries: list[LedgerEntry]) -> None:
         raise ValidationFailed(f"ledger key {keys} already used for {kinds}",
                                errors={"idempotency_key": ["already used"]}) from exc
     account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
+
+
+def _entries_save_together(account: CreditAccount, entries: list[LedgerEntry]) -> None:
+    """``_entries_save`` on PostgreSQL: the entries' INSERT and the account's UPDATE in one prepared
+    statement (a data-modifying ``WITH``), which fails as a whole on a duplicate key."""
+    account.updated_at = timezone.now()
+    params = [field.get_db_prep_save(getattr(entry, field.attname), connection)
+              for entry in entries for field in _ENTRY_FIELDS]
+    params += [field.get_db_prep_save(getattr(account, field.attname), connection) for field in _ACCOUNT_SAVED]
+    params.append(account.pk)
+    with hot_cursor() as cursor:
+        cursor.execute(_entries_save_sql(len(entries)), params)
+        ids = sorted(row[0] for row in cursor.fetchall())  # ids increase in the order of the rows
+    for entry, entry_id in zip(entries, ids, strict=True):
+        entry.pk = entry_id
+        entry._state.adding, entry._state.db = False, connection.alias
+
+
+_ENTRY_FIELDS = [field for field in LedgerEntry._meta.concrete_fields if not field.primary_key]
+_ACCOUNT_SAVED = [CreditAccount._meta.get_field(name) for name in ("balance", "reserved", "last_entry_hash",
+                                                                   "updated_at")]
+
+
+@per_vendor
+def _entries_save_sql(count: int) -> str:
+    qn = connection.ops.quote_name
+    row = f"({', '.join(['%s'] * len(_ENTRY_FIELDS))})"
+    sets = ", ".join(f"{qn(field.column)} = %s" for field in _ACCOUNT_SAVED)
+    return (f"WITH e AS (INSERT INTO {qn(LedgerEntry._meta.db_table)}"
+            f" ({', '.join(qn(field.column) for field in _ENTRY_FIELDS)}) VALUES {', '.join([row] * count)}"
+            f" RETURNING id), a AS (UPDATE {qn(CreditAccount._meta.db_table)} SET {sets} WHERE id = %s)"
+            " SELECT id FROM e")
 
 
 def _entry_emitted(entry: LedgerEntry, *, balance: int, reserved: int, project_id: int | None,
