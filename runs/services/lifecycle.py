@@ -11,12 +11,13 @@ from django.utils import timezone
 from django_fsm import can_proceed
 
 from billing.errors import InsufficientCredits
-from billing.selectors import account_balance
+from billing.selectors import account_available_sql
 from core.errors import (
     InvalidTransition,
     ValidationFailed,
 )
 from core.models import Project
+from core.sql import insert_returning
 from core.services import actor_label, audit_record, transition_log
 from runs.errors import PlanIsContract, RunNotStuck
 from runs.events import RUN_DELETED
@@ -92,18 +93,20 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
     if errors:
         raise ValidationFailed("invalid run", errors=errors)
     limit = credit_limit if credit_limit is not None else plan_cost_estimate(plan)
-    balance = account_balance(organization_id=project.organization_id)
-    if balance["available"] < limit:
-        raise InsufficientCredits(
-            f"organization {project.organization_id} has {balance['available']} credits available; "
-            f"the run needs {limit}", available=balance["available"], required=limit)
-    run = Run.objects.create(
+    run = Run(
         organization_id=project.organization_id, project=project, name=name.strip(), plan=plan, priority=priority,
         failure_mode=failure_mode, max_attempts=max_attempts, credit_limit=limit,
         max_agents=plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS),
         created_by=actor if getattr(actor, "pk", None) else None, status_changed_at=timezone.now(),
         mode=mode, gated=plan_is_gated(plan),
     )
+    # The row and the organization's available credits in one statement; too few: the transaction
+    # rolls the row back (nothing is written).
+    available = insert_returning(run, account_available_sql(), [project.organization_id]) or 0
+    if available < limit:
+        raise InsufficientCredits(
+            f"organization {project.organization_id} has {available} credits available; "
+            f"the run needs {limit}", available=available, required=limit)
     before = {"status": "", "attempt": 1}
     _record_run_change(run, before=before, action="create", actor=actor, reason=reason, created=True)
     return run
