@@ -36,17 +36,42 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
         was read (``ConcurrentTransition`` otherwise, as ``save`` raises). No ``pre_save`` or
         ``post_save`` signal is sent, and ``auto_now`` fields are not touched: for models that
         need neither (the run's nodes)."""
-        cls = type(self)
-        sql, columns = _moved_update_sql(cls, fields)
-        initial = self._ConcurrentTransitionMixin__initial_states
-        params = [field.get_db_prep_save(getattr(self, field.attname), connection) for field in columns]
-        params += [self.pk, *(initial[field.attname] for field in self.state_fields)]
+        sql, _ = _moved_update_sql(type(self), fields)
         with hot_cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, self._moved_params(fields))
             updated = cursor.rowcount
         if updated != 1:
-            raise ConcurrentTransition(f"{cls.__name__} {self.pk}: its state changed since it was read, or it is gone")
+            raise self._moved_conflict()
         self._update_initial_state()
+
+    def _moved_params(self, fields: tuple[str, ...]) -> list:
+        _, columns = _moved_update_sql(type(self), fields)
+        initial = self._ConcurrentTransitionMixin__initial_states
+        params = [field.get_db_prep_save(getattr(self, field.attname), connection) for field in columns]
+        return params + [self.pk, *(initial[field.attname] for field in self.state_fields)]
+
+    def _moved_conflict(self) -> ConcurrentTransition:
+        return ConcurrentTransition(f"{type(self).__name__} {self.pk}: its state changed since it was read, or it is gone")
+
+
+def save_moved_together(moves: list[tuple[ConcurrentTransitions, tuple[str, ...]]]) -> None:
+    """``save_moved`` of several rows (``(row, fields)``, of any models): on PostgreSQL one prepared
+    statement (each row's guarded ``UPDATE`` in a ``WITH``, built once per models and fields), else
+    one each. ``ConcurrentTransition`` when a row's state changed since it was read, as ``save_moved``
+    raises (the others may be written: the caller's transaction fails with it)."""
+    if connection.vendor != "postgresql" or len(moves) < 2:
+        for row, fields in moves:
+            row.save_moved(fields)
+        return
+    params = [param for row, fields in moves for param in row._moved_params(fields)]
+    with hot_cursor() as cursor:
+        cursor.execute(_moved_together_sql(tuple((type(row), fields) for row, fields in moves)), params)
+        counts = cursor.fetchone()
+    for (row, _), count in zip(moves, counts, strict=True):
+        if count != 1:
+            raise row._moved_conflict()
+    for row, _ in moves:
+        row._update_initial_state()
 
 
 class StateMove:
@@ -83,3 +108,12 @@ def _moved_update_sql(model: type, fields: tuple[str, ...]) -> tuple[str, list]:
     sets = ", ".join(f"{qn(field.column)} = %s" for field in columns)
     where = "".join(f" AND {qn(field.column)} = %s" for field in _state_fields_of(model))
     return f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {qn(meta.pk.column)} = %s{where}", columns
+
+
+@per_vendor
+def _moved_together_sql(moves: tuple[tuple[type, tuple[str, ...]], ...]) -> str:
+    """``save_moved_together``'s statement: each move's ``UPDATE`` in a ``WITH``, their row counts."""
+    updates = [f"m{index} AS ({_moved_update_sql(model, fields)[0]} RETURNING 1)"
+               for index, (model, fields) in enumerate(moves)]
+    counts = ", ".join(f"(SELECT count(*) FROM m{index})" for index in range(len(moves)))
+    return f"WITH {', '.join(updates)} SELECT {counts}"

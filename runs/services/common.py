@@ -17,6 +17,7 @@ from core.errors import (
     NotFound,
 )
 from core.models import Project
+from core.fsm import save_moved_together
 from core.services import audit_record, row_lock, transition_log
 from core.sql import ModelRows, hot_cursor, per_vendor
 from runs.events import node_event, run_event
@@ -446,7 +447,10 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
                      project_id=run.project_id, run_id=run.pk, payload=payload)
 
 
-def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True) -> None:
+def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True,
+               save: bool = True) -> None:
+    """Move a node by ``action``, save it (``save=False``: the caller saves it, ``_nodes_saved``, before
+    anything reads it), write its log line and its event."""
     tree = run.__dict__.get("_tree")
     if tree is not None and not tree.holds(node):
         _run_tree_forget(run)  # another copy of a node moves: the tree is read again when needed
@@ -459,7 +463,8 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         node.finished_at = now
     if error is not None:
         node.last_error_code, node.last_error = error
-    node.save_moved(node.MOVING_FIELDS)
+    if save:
+        node.save_moved(node.MOVING_FIELDS)
     if isinstance(node, Task) and run.gated:
         bookkeeping.phase_moved(run, node, action=action)
     entity = type(node).__name__.lower()
@@ -468,6 +473,12 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
                    error is not None else "", name=node.name)
     if emit:
         _node_event(node, before=before, run=run)
+
+
+def _nodes_saved(nodes: list) -> None:
+    """Save nodes moved by ``_node_move(..., save=False)`` (of different levels) together
+    (``core.fsm.save_moved_together``)."""
+    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes])
 
 
 def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:

@@ -37,6 +37,7 @@ from runs.services.common import (
     _lock_run_of,
     _node_event,
     _node_move,
+    _nodes_saved,
     _run_tree,
     _lock_run_of_step_attempt,
 )
@@ -156,14 +157,16 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     """``step_begin`` for a step the caller found runnable (``runnable_steps``) under the run's lock,
     in the caller's transaction (the engine begins the next step where it settled the last)."""
     task, agent = step.task, step.task.agent
-    if agent.status == NodeStatus.PENDING:
-        _node_move(agent, "begin", run=run)
-    if task.status == NodeStatus.PENDING:
-        _node_move(task, "begin", run=run)
+    together = not run.gated  # a gated run's task keeps its phase record as it moves (reading the rows)
+    moved = [node for node in (agent, task) if node.status == NodeStatus.PENDING]
+    for node in moved:
+        _node_move(node, "begin", run=run, save=not together)
     step.attempts += 1
     step.tries_this_round += 1
     step.not_before = None
-    _node_move(step, "begin", run=run)
+    _node_move(step, "begin", run=run, save=not together)
+    if together:  # the agent's, the task's and the step's moves in one statement (PostgreSQL)
+        _nodes_saved([*moved, step])
     attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
                                          idempotency_key=_step_idempotency_key(run, step, step.attempts))
     now = timezone.now()
