@@ -17,6 +17,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
+from core.fsm import save_moved_together
 from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
@@ -266,10 +267,10 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     attempt.outcome = StepAttempt.Outcome.SUCCEEDED
     attempt.cost = cost
     attempt.finished_at = timezone.now()
-    attempt.save(update_fields=["outcome", "cost", "finished_at"])
     step.output = output
     step.credits_charged += cost
-    _node_move(step, "complete", run=run)
+    _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement on PostgreSQL)
+    save_moved_together([(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS)])
     if run.gated:
         bookkeeping.step_pins_record(run, step)
     status = run.status
