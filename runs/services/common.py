@@ -92,6 +92,7 @@ def _run_moved_sql(action: str) -> str:
 
 
 _RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
+_RUN_SAVED = tuple(field.name for field in Run._meta.concrete_fields if not field.primary_key)  # as save writes
 
 
 @per_vendor
@@ -354,10 +355,11 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
                        extra: dict | None = None, audit_after: dict | None = None, created: bool = False,
-                       moved: bool = False) -> None:
+                       moved: bool = False, with_rows: list | None = None) -> None:
     """Save the run and write its event, audit row and log line (``created``: the run was just
     inserted as it is, with its ``status_changed_at``; ``moved``: it was just moved and saved as it
-    is by ``_lock_run_moved``)."""
+    is by ``_lock_run_moved``; ``with_rows``: rows to save with it, ``(row, fields)``, in one statement
+    on PostgreSQL, ``core.fsm.save_moved_together``)."""
     now = timezone.now()
     if before["status"] != run.status and not created:
         if not moved:
@@ -365,7 +367,10 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
         if run.status in SETTLED_RUN_STATES and _artifacts_open(run):  # settled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
-    if not created and not moved:
+    if not created and not moved and with_rows:
+        run.updated_at = now  # as save's auto_now
+        save_moved_together([*with_rows, (run, _RUN_SAVED)])
+    elif not created and not moved:
         run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {
@@ -417,15 +422,23 @@ def _current_attempt_sql() -> str:
             " WHERE a.run_id = %s AND a.number = %s")
 
 
-def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
+def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "",
+                   save: bool = True) -> list[tuple[RunAttempt, tuple[str, ...]]]:
     """End the attempt (with the release ``_settle(..., save=False)`` just made, and a charge not saved
-    yet, ``_charge(..., save=False)``, in one UPDATE)."""
+    yet, ``_charge(..., save=False)``, in one UPDATE). ``save=False``: not saved yet; returns the row
+    to save with the run (``_record_run_change``'s ``with_rows``)."""
     if attempt is None:
-        return
+        return []
     attempt.outcome = outcome
     attempt.error_code = error_code
     attempt.ended_at = timezone.now()
-    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_charged", "credits_refunded"])
+    if not save:
+        return [(attempt, _ATTEMPT_CLOSED)]
+    attempt.save(update_fields=list(_ATTEMPT_CLOSED))
+    return []
+
+
+_ATTEMPT_CLOSED = ("outcome", "error_code", "ended_at", "credits_charged", "credits_refunded")
 
 
 def _duration_ms(run: Run, end) -> int:
