@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from django.db import connection
 from django.db.models import Case, F, Sum, When, Value, BigIntegerField, Q
 
 from billing.models import CreditAccount, LedgerEntry
@@ -13,6 +14,14 @@ def account_balance(*, organization_id: int) -> dict:
         return {"organization": organization_id, "balance": 0, "reserved": 0, "available": 0}
     return {"organization": organization_id, "balance": account.balance, "reserved": account.reserved,
             "available": account.available}
+
+
+def account_available_sql() -> str:
+    """``account_balance``'s ``available`` (NULL without an account) as an SQL expression whose one
+    parameter is the organization's id, for a statement that reads it with rows of its own."""
+    qn = connection.ops.quote_name
+    return (f"(SELECT c.balance - c.reserved FROM {qn(CreditAccount._meta.db_table)} c"
+            " WHERE c.organization_id = %s)")
 
 
 def ledger_totals(*, run_id: int, attempt_number: int | None = None) -> dict[str, int]:

@@ -23,6 +23,7 @@ from core.errors import NotFound, ValidationFailed
 from core.events import ORGANIZATION_CREATED
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
+from core.sql import ModelRows, hot_cursor, per_vendor
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,51 @@ def _account_locked(organization_id: int) -> CreditAccount:
         return CreditAccount.objects.select_for_update().get(organization_id=organization_id)
 
 
+def _account_locked_with_keys(organization_id: int, entries: list) -> tuple[CreditAccount, dict[tuple, int]]:
+    """The organization's account, locked, and the ids of the entries already written under the
+    ``(run, kind, key)`` of ``entries`` (those found), read in the statement that locks the account.
+
+    On PostgreSQL a statement that waited for the row lock returns the account as the writer it
+    waited for left it, but reads other rows (the entries) as they were when it began: it also reads
+    the account's last entry hash as it was then, and when that is not the one it locked (an entry
+    was appended meanwhile) the keys are read again, after the lock. (On SQLite the transaction holds
+    the database's write lock from its first statement: nothing is appended meanwhile.)"""
+    keys = list(dict.fromkeys((entry.run_id, entry.kind, entry.idempotency_key) for entry in entries))
+    if keys:
+        with hot_cursor() as cursor:
+            cursor.execute(_account_with_keys_sql(len(keys)),
+                           [value for key in keys for value in key] + [organization_id])
+            row = cursor.fetchone()
+        if row is not None:
+            account, seen = _ACCOUNT_ROWS.load(row), row[_ACCOUNT_ROWS.width]
+            if seen == account.last_entry_hash:
+                return account, {key: entry_id for key, entry_id in zip(keys, row[_ACCOUNT_ROWS.width + 1:])
+                                 if entry_id is not None}
+    account = _account_locked(organization_id)
+    found = {}
+    for run_id, kind, key in keys:
+        entry = _existing(organization_id=organization_id, run_id=run_id, kind=kind, key=key)
+        if entry is not None:
+            found[(run_id, kind, key)] = entry.pk
+    return account, found
+
+
+_ACCOUNT_ROWS = ModelRows(CreditAccount)
+
+
+@per_vendor
+def _account_with_keys_sql(count: int) -> str:
+    """The account of an organization, locked, its last entry hash as the statement's snapshot has
+    it, and per ``(run, kind, key)`` the id of its entry (or NULL)."""
+    qn = connection.ops.quote_name
+    table = qn(CreditAccount._meta.db_table)
+    lookup = (f"(SELECT e.id FROM {qn(LedgerEntry._meta.db_table)} e"
+              " WHERE e.run_id = %s AND e.kind = %s AND e.idempotency_key = %s)")
+    lock = " FOR UPDATE OF c" if connection.features.has_select_for_update_of else ""
+    return (f"SELECT {_ACCOUNT_ROWS.columns('c')}, (SELECT s.last_entry_hash FROM {table} s WHERE s.id = c.id),"
+            f" {', '.join([lookup] * count)} FROM {table} c WHERE c.organization_id = %s{lock}")
+
+
 def _existing(*, organization_id: int, run_id: int | None, kind: str, key: str) -> LedgerEntry | None:
     if run_id is not None:
         return LedgerEntry.objects.filter(run_id=run_id, kind=kind, idempotency_key=key).first()
@@ -86,12 +132,18 @@ def _append(
     reason: str = "",
     emit: EventSink | None = None,
 ) -> LedgerEntry:
-    """Append an entry for movements already applied to ``account`` (locked), then save both.
+    """Append an entry for movements already applied to ``account`` (locked), then save both."""
+    entry = _entry_row(account, kind=kind, amount=amount, key=key, run_id=run_id, attempt_number=attempt_number,
+                       source=source, actor=actor, reason=reason)
+    _entries_save(account, [entry])
+    _entry_emitted(entry, balance=account.balance, reserved=account.reserved, project_id=project_id, emit=emit)
+    return entry
 
-    The entry's key was looked up under the account's row lock, which every writer of the
-    organization's entries holds, so no concurrent writer can insert the same key: no savepoint.
-    A duplicate written around the services still fails (``ValidationFailed``) and, being a
-    failed statement, fails the caller's transaction with it."""
+
+def _entry_row(account: CreditAccount, *, kind: str, amount: int, key: str, run_id: int | None,
+               attempt_number: int | None, source: str, actor, reason: str) -> LedgerEntry:
+    """The entry for movements just applied to ``account`` (locked), chained to its last entry
+    (which it becomes): not saved yet."""
     entry = LedgerEntry(
         organization_id=account.organization_id,
         run_id=run_id,
@@ -109,24 +161,79 @@ def _append(
         created_at=timezone.now(),
     )
     entry.entry_hash = entry.compute_hash()
-    try:
-        entry.save()
-    except IntegrityError as exc:  # a concurrent writer used the same key first
-        raise ValidationFailed(f"ledger key {key!r} already used for {kind}",
-                               errors={"idempotency_key": ["already used"]}) from exc
     account.last_entry_hash = entry.entry_hash
-    account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
-    (emit or event_record)(
-        type=ledger_event(kind),
-        organization_id=account.organization_id,
-        project_id=project_id,
-        run_id=run_id,
-        payload={"entry": entry.pk, "kind": kind, "source": source, "amount": amount, "attempt": attempt_number,
-                 "balance": account.balance, "reserved": account.reserved, "available": account.available},
-    )
-    transition_log(entity="ledger", id=entry.pk, kind=kind, amount=amount, run=run_id, attempt=attempt_number,
-                   organization=account.organization_id, key=key)
     return entry
+
+
+def _entries_save(account: CreditAccount, entries: list[LedgerEntry]) -> None:
+    """Insert new entries (one statement) and save the account they leave.
+
+    The entries' keys were looked up under the account's row lock, which every writer of the
+    organization's entries holds, so no concurrent writer can insert the same key: no savepoint.
+    A duplicate written around the services still fails (``ValidationFailed``) and, being a
+    failed statement, fails the caller's transaction with it."""
+    try:
+        if connection.vendor == "postgresql":
+            _entries_save_together(account, entries)
+            return
+        if len(entries) == 1:
+            entries[0].save()
+        else:
+            LedgerEntry.objects.bulk_create(entries)
+    except IntegrityError as exc:  # a concurrent writer used the same key first
+        keys = ", ".join(repr(entry.idempotency_key) for entry in entries)
+        kinds = ", ".join(sorted({entry.kind for entry in entries}))
+        raise ValidationFailed(f"ledger key {keys} already used for {kinds}",
+                               errors={"idempotency_key": ["already used"]}) from exc
+    account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
+
+
+def _entries_save_together(account: CreditAccount, entries: list[LedgerEntry]) -> None:
+    """``_entries_save`` on PostgreSQL: the entries' INSERT and the account's UPDATE in one prepared
+    statement (a data-modifying ``WITH``), which fails as a whole on a duplicate key."""
+    account.updated_at = timezone.now()
+    params = [field.get_db_prep_save(getattr(entry, field.attname), connection)
+              for entry in entries for field in _ENTRY_FIELDS]
+    params += [field.get_db_prep_save(getattr(account, field.attname), connection) for field in _ACCOUNT_SAVED]
+    params.append(account.pk)
+    with hot_cursor() as cursor:
+        cursor.execute(_entries_save_sql(len(entries)), params)
+        ids = sorted(row[0] for row in cursor.fetchall())  # ids increase in the order of the rows
+    for entry, entry_id in zip(entries, ids, strict=True):
+        entry.pk = entry_id
+        entry._state.adding, entry._state.db = False, connection.alias
+
+
+_ENTRY_FIELDS = [field for field in LedgerEntry._meta.concrete_fields if not field.primary_key]
+_ACCOUNT_SAVED = [CreditAccount._meta.get_field(name) for name in ("balance", "reserved", "last_entry_hash",
+                                                                   "updated_at")]
+
+
+@per_vendor
+def _entries_save_sql(count: int) -> str:
+    qn = connection.ops.quote_name
+    row = f"({', '.join(['%s'] * len(_ENTRY_FIELDS))})"
+    sets = ", ".join(f"{qn(field.column)} = %s" for field in _ACCOUNT_SAVED)
+    return (f"WITH e AS (INSERT INTO {qn(LedgerEntry._meta.db_table)}"
+            f" ({', '.join(qn(field.column) for field in _ENTRY_FIELDS)}) VALUES {', '.join([row] * count)}"
+            f" RETURNING id), a AS (UPDATE {qn(CreditAccount._meta.db_table)} SET {sets} WHERE id = %s)"
+            " SELECT id FROM e")
+
+
+def _entry_emitted(entry: LedgerEntry, *, balance: int, reserved: int, project_id: int | None,
+                   emit: EventSink | None) -> None:
+    """The entry's event (the account's figures just after it) and its transition line."""
+    (emit or event_record)(
+        type=ledger_event(entry.kind),
+        organization_id=entry.organization_id,
+        project_id=project_id,
+        run_id=entry.run_id,
+        payload={"entry": entry.pk, "kind": entry.kind, "source": entry.source, "amount": entry.amount,
+                 "attempt": entry.attempt_number, "balance": balance, "reserved": reserved,
+                 "available": balance - reserved},
+    )
+    transition_log(entity="ledger", id=entry.pk, kind=entry.kind, amount=entry.amount, run=entry.run_id,
+                   attempt=entry.attempt_number, organization=entry.organization_id, key=entry.idempotency_key)
 
 
 @transaction.atomic
@@ -179,35 +286,94 @@ def account_charge(*, organization_id: int, project_id: int | None, amount: int,
         return LedgerResult(entry, True)
 
 
-def _run_entry(*, kind: str, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
-               amount: int, idempotency_key: str, actor, reason: str, apply, source: str = "",
-               emit: EventSink | None = None, new: bool = False) -> LedgerResult:
-    """Append one run entry exactly once: lock the account, return the entry already written
-    under ``(run, kind, key)``, or let ``apply`` move the figures (or refuse) and append.
-    ``new``: the caller knows no entry has this key yet (it holds the lock every writer of the
-    run's entries of this kind holds, and what it settles is not settled yet): no lookup; a
-    duplicate still fails on the unique key.
+@dataclass
+class RunEntry:
+    """A run entry to append (``ledger_run_entries``): what it records, and ``apply``, which moves
+    the locked account's figures for it or refuses (raises) before anything is written. ``new``: the
+    caller knows no entry has this key yet (it holds the lock every writer of the run's entries of
+    this kind holds, and what it settles is not settled yet): no lookup; a duplicate still fails on
+    the unique key. Built by ``ledger_reserve_entry``, ``ledger_charge_entry``, ``ledger_refund_entry``."""
+
+    kind: str
+    project_id: int | None
+    run_id: int
+    attempt_number: int
+    amount: int
+    idempotency_key: str
+    apply: Callable[[CreditAccount], None]
+    source: str = ""
+    actor: Any = None
+    reason: str = ""
+    emit: EventSink | None = None
+    new: bool = False
+
+
+def ledger_run_entries(*, organization_id: int, entries: list[RunEntry]) -> list[LedgerResult]:
+    """Append run entries of one organization in order, each exactly once, under one lock of its
+    account: an entry already written under ``(run, kind, key)`` (or earlier in ``entries``) is
+    returned as it is, the others move the figures and are inserted together, chained in order,
+    with one update of the account; their events are emitted in order. The result is what appending
+    each alone, in order, would give: an entry that refuses raises with the entries before it written
+    and nothing of its own.
 
     In the caller's transaction when there is one (no savepoint: a refusal raises before anything
-    is written, so the caller may catch it and go on), else in its own."""
+    of its own is written, so the caller may catch it and go on), else in its own."""
     with transaction.atomic() if not connection.in_atomic_block else nullcontext():
-        account = _account_locked(organization_id)
-        existing = None if new else _existing(organization_id=organization_id, run_id=run_id, kind=kind,
-                                              key=idempotency_key)
-        if existing is not None:
-            return LedgerResult(existing, False)
-        apply(account)
-        entry = _append(account=account, kind=kind, amount=amount, key=idempotency_key, run_id=run_id,
-                        attempt_number=attempt_number, project_id=project_id, source=source, actor=actor,
-                        reason=reason, emit=emit)
-        return LedgerResult(entry, True)
+        account, found = _account_locked_with_keys(organization_id, [entry for entry in entries if not entry.new])
+        results: list[LedgerResult | int] = []
+        appended: list[tuple[RunEntry, LedgerEntry, int, int]] = []
+        for entry in entries:
+            key = (entry.run_id, entry.kind, entry.idempotency_key)
+            existing = found.get(key)
+            if existing is not None:
+                results.append(existing if isinstance(existing, int) else LedgerResult(existing, False))
+                continue
+            try:
+                entry.apply(account)
+            except Exception:  # refused: the entries before it are written, as if each were appended alone
+                _entries_append(account, appended)
+                raise
+            row = _entry_row(account, kind=entry.kind, amount=entry.amount, key=entry.idempotency_key,
+                             run_id=entry.run_id, attempt_number=entry.attempt_number, source=entry.source,
+                             actor=entry.actor, reason=entry.reason)
+            appended.append((entry, row, account.balance, account.reserved))
+            results.append(LedgerResult(row, True))
+            found[key] = row
+        _entries_append(account, appended)
+        if any(isinstance(result, int) for result in results):
+            rows = LedgerEntry.objects.in_bulk([result for result in results if isinstance(result, int)])
+            results = [LedgerResult(rows[result], False) if isinstance(result, int) else result for result in results]
+        return results
+
+
+def _entries_append(account: CreditAccount, appended: list[tuple[RunEntry, LedgerEntry, int, int]]) -> None:
+    """Save the entries (with the account's figures just after each) and emit their events, in order."""
+    if not appended:
+        return
+    _entries_save(account, [row for _, row, _, _ in appended])
+    for entry, row, balance, reserved in appended:
+        _entry_emitted(row, balance=balance, reserved=reserved, project_id=entry.project_id, emit=entry.emit)
+
+
+def _run_entry(entry: RunEntry, *, organization_id: int) -> LedgerResult:
+    return ledger_run_entries(organization_id=organization_id, entries=[entry])[0]
 
 
 def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                    amount: int, idempotency_key: str, actor=None, reason: str = "",
                    emit: EventSink | None = None, new: bool = False) -> LedgerResult:
     """Hold ``amount`` credits for a run attempt; ``InsufficientCredits`` if not available (``new``:
-    as ``_run_entry``'s)."""
+    as ``RunEntry``'s)."""
+    return _run_entry(ledger_reserve_entry(
+        organization_id=organization_id, project_id=project_id, run_id=run_id, attempt_number=attempt_number,
+        amount=amount, idempotency_key=idempotency_key, actor=actor, reason=reason, emit=emit, new=new),
+        organization_id=organization_id)
+
+
+def ledger_reserve_entry(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
+                         amount: int, idempotency_key: str, actor=None, reason: str = "",
+                         emit: EventSink | None = None, new: bool = False) -> RunEntry:
+    """``ledger_reserve``'s entry, for ``ledger_run_entries``."""
     amount = _validate_amount(amount)
 
     def apply(account: CreditAccount) -> None:
@@ -218,16 +384,26 @@ def ledger_reserve(*, organization_id: int, project_id: int | None, run_id: int,
             )
         account.reserved += amount
 
-    return _run_entry(kind=LedgerEntry.Kind.RESERVE, organization_id=organization_id, project_id=project_id,
-                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, emit=emit, new=new)
+    return RunEntry(kind=LedgerEntry.Kind.RESERVE, project_id=project_id, run_id=run_id,
+                    attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key, actor=actor,
+                    reason=reason, apply=apply, emit=emit, new=new)
 
 
 def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                   amount: int, idempotency_key: str, actor=None, reason: str = "",
                   emit: EventSink | None = None, new: bool = False) -> LedgerResult:
     """Consume ``amount`` held credits. The caller checks the attempt's own reservation (``new``:
-    as ``_run_entry``'s)."""
+    as ``RunEntry``'s)."""
+    return _run_entry(ledger_charge_entry(
+        organization_id=organization_id, project_id=project_id, run_id=run_id, attempt_number=attempt_number,
+        amount=amount, idempotency_key=idempotency_key, actor=actor, reason=reason, emit=emit, new=new),
+        organization_id=organization_id)
+
+
+def ledger_charge_entry(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
+                        amount: int, idempotency_key: str, actor=None, reason: str = "",
+                        emit: EventSink | None = None, new: bool = False) -> RunEntry:
+    """``ledger_charge``'s entry, for ``ledger_run_entries``."""
     amount = _validate_amount(amount)
 
     def apply(account: CreditAccount) -> None:
@@ -237,15 +413,25 @@ def ledger_charge(*, organization_id: int, project_id: int | None, run_id: int, 
         account.balance -= amount
         account.reserved -= amount
 
-    return _run_entry(kind=LedgerEntry.Kind.CHARGE, organization_id=organization_id, project_id=project_id,
-                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, emit=emit, new=new)
+    return RunEntry(kind=LedgerEntry.Kind.CHARGE, project_id=project_id, run_id=run_id,
+                    attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key, actor=actor,
+                    reason=reason, apply=apply, emit=emit, new=new)
 
 
 def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
                   amount: int, source: str, idempotency_key: str, actor=None, reason: str = "",
                   emit: EventSink | None = None) -> LedgerResult:
     """Release an unused hold (``source="reservation"``) or give charged credits back (``"charge"``)."""
+    return _run_entry(ledger_refund_entry(
+        organization_id=organization_id, project_id=project_id, run_id=run_id, attempt_number=attempt_number,
+        amount=amount, source=source, idempotency_key=idempotency_key, actor=actor, reason=reason, emit=emit),
+        organization_id=organization_id)
+
+
+def ledger_refund_entry(*, organization_id: int, project_id: int | None, run_id: int, attempt_number: int,
+                        amount: int, source: str, idempotency_key: str, actor=None, reason: str = "",
+                        emit: EventSink | None = None) -> RunEntry:
+    """``ledger_refund``'s entry, for ``ledger_run_entries``."""
     amount = _validate_amount(amount)
     if source not in (LedgerEntry.Source.RESERVATION, LedgerEntry.Source.CHARGE):
         raise ValidationFailed("unknown refund source", errors={"source": [f"{source!r} is not a refund source"]})
@@ -259,9 +445,9 @@ def ledger_refund(*, organization_id: int, project_id: int | None, run_id: int, 
                                    errors={"amount": ["more than is reserved"]})
         account.reserved -= amount
 
-    return _run_entry(kind=LedgerEntry.Kind.REFUND, organization_id=organization_id, project_id=project_id,
-                      run_id=run_id, attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key,
-                      actor=actor, reason=reason, apply=apply, source=source, emit=emit)
+    return RunEntry(kind=LedgerEntry.Kind.REFUND, project_id=project_id, run_id=run_id,
+                    attempt_number=attempt_number, amount=amount, idempotency_key=idempotency_key, actor=actor,
+                    reason=reason, apply=apply, source=source, emit=emit)
 
 
 @transaction.atomic

@@ -36,17 +36,55 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
         was read (``ConcurrentTransition`` otherwise, as ``save`` raises). No ``pre_save`` or
         ``post_save`` signal is sent, and ``auto_now`` fields are not touched: for models that
         need neither (the run's nodes)."""
-        cls = type(self)
-        sql, columns = _moved_update_sql(cls, fields)
-        initial = self._ConcurrentTransitionMixin__initial_states
-        params = [field.get_db_prep_save(getattr(self, field.attname), connection) for field in columns]
-        params += [self.pk, *(initial[field.attname] for field in self.state_fields)]
+        sql, _ = _moved_update_sql(type(self), fields)
         with hot_cursor() as cursor:
-            cursor.execute(sql, params)
+            cursor.execute(sql, _moved_params(self, fields))
             updated = cursor.rowcount
         if updated != 1:
-            raise ConcurrentTransition(f"{cls.__name__} {self.pk}: its state changed since it was read, or it is gone")
+            raise _moved_conflict(self)
         self._update_initial_state()
+
+
+def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]]) -> None:
+    """``save_moved`` of several rows (``(row, fields)``, of any models; a row of a model without state
+    fields is written by its primary key alone): on PostgreSQL one prepared statement (each row's
+    ``UPDATE`` in a ``WITH``, built once per models and fields), else one each.
+    ``ConcurrentTransition`` when a row's state changed since it was read, or it is gone, as
+    ``save_moved`` raises (the others may be written: the caller's transaction fails with it)."""
+    if connection.vendor != "postgresql" or len(moves) < 2:
+        for row, fields in moves:
+            if isinstance(row, ConcurrentTransitions):
+                row.save_moved(fields)
+                continue
+            sql, _ = _moved_update_sql(type(row), fields)
+            with hot_cursor() as cursor:
+                cursor.execute(sql, _moved_params(row, fields))
+                if cursor.rowcount != 1:
+                    raise _moved_conflict(row)
+        return
+    params = [param for row, fields in moves for param in _moved_params(row, fields)]
+    with hot_cursor() as cursor:
+        cursor.execute(_moved_together_sql(tuple((type(row), fields) for row, fields in moves)), params)
+        counts = cursor.fetchone()
+    for (row, _), count in zip(moves, counts, strict=True):
+        if count != 1:
+            raise _moved_conflict(row)
+    for row, _ in moves:
+        if isinstance(row, ConcurrentTransitions):
+            row._update_initial_state()
+
+
+def _moved_params(row, fields: tuple[str, ...]) -> list:
+    """The parameters of ``_moved_update_sql``'s statement for ``row``: its fields, its key, the states
+    it was read in."""
+    _, columns = _moved_update_sql(type(row), fields)
+    params = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in columns]
+    initial = getattr(row, "_ConcurrentTransitionMixin__initial_states", {})
+    return params + [row.pk, *(initial[field.attname] for field in _state_fields_of(type(row)))]
+
+
+def _moved_conflict(row) -> ConcurrentTransition:
+    return ConcurrentTransition(f"{type(row).__name__} {row.pk}: its state changed since it was read, or it is gone")
 
 
 class StateMove:
@@ -83,3 +121,12 @@ def _moved_update_sql(model: type, fields: tuple[str, ...]) -> tuple[str, list]:
     sets = ", ".join(f"{qn(field.column)} = %s" for field in columns)
     where = "".join(f" AND {qn(field.column)} = %s" for field in _state_fields_of(model))
     return f"UPDATE {qn(meta.db_table)} SET {sets} WHERE {qn(meta.pk.column)} = %s{where}", columns
+
+
+@per_vendor
+def _moved_together_sql(moves: tuple[tuple[type, tuple[str, ...]], ...]) -> str:
+    """``save_moved_together``'s statement: each move's ``UPDATE`` in a ``WITH``, their row counts."""
+    updates = [f"m{index} AS ({_moved_update_sql(model, fields)[0]} RETURNING 1)"
+               for index, (model, fields) in enumerate(moves)]
+    counts = ", ".join(f"(SELECT count(*) FROM m{index})" for index in range(len(moves)))
+    return f"WITH {', '.join(updates)} SELECT {counts}"

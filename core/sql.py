@@ -133,6 +133,31 @@ class ModelRows:
         return self.model.from_db(connection.alias, self.names, values)
 
 
+def insert_returning(instance, returning: str, params: list) -> Any:
+    """Insert the new ``instance`` (its fields as ``save`` writes them: ``pre_save`` fills ``auto_now``
+    and the like) by one prepared statement built once per model and ``returning`` (an SQL expression
+    read in the same statement, ``params`` its parameters); the instance gets its primary key, and
+    the expression's value is returned. No ``pre_save`` or ``post_save`` signal is sent."""
+    model = type(instance)
+    fields = [field for field in model._meta.concrete_fields if not field.primary_key]
+    values = [field.get_db_prep_save(field.pre_save(instance, True), connection) for field in fields]
+    with hot_cursor() as cursor:
+        cursor.execute(_insert_returning_sql(model, returning), [*values, *params])
+        pk, value = cursor.fetchone()
+    instance.pk = pk
+    instance._state.adding, instance._state.db = False, connection.alias
+    return value
+
+
+@per_vendor
+def _insert_returning_sql(model, returning: str) -> str:
+    qn = connection.ops.quote_name
+    meta = model._meta
+    columns = [qn(field.column) for field in meta.concrete_fields if not field.primary_key]
+    return (f"INSERT INTO {qn(meta.db_table)} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})"
+            f" RETURNING {qn(meta.pk.column)}, {returning}")
+
+
 def union_count(querysets: list[QuerySet], *, limit: int) -> int:
     """The rows of disjoint ``querysets`` together, counted up to ``limit``: one ``SELECT COUNT(*)``
     over ``(q1 LIMIT n) UNION ALL (q2 LIMIT n) ...`` under ``LIMIT n``, so that the parts are read

@@ -16,8 +16,9 @@ calls ``run_events_flush()`` first, so the ids stay in the order of the changes 
 A write that needs a lock many transactions share (the organization's credit account, for a step's
 charge) can be put off to the batch's end with ``run_deferred(write)``: it runs just
 before the rows are written (or before ``run_deferred_flush()``: another write of that account in
-the transaction first), so the shared lock is held for the end of the transaction only; its event
-keeps the place it was asked for in the batch (a slot the write fills).
+the transaction first, or ``run_deferred_take()``: the caller makes them with a write of its own),
+so the shared lock is held for the end of the transaction only; its event keeps the place it was
+asked for in the batch (a slot the write fills).
 """
 
 from __future__ import annotations
@@ -65,7 +66,28 @@ def run_deferred(write) -> None:
         return
     slot: dict[str, Any] = {}
     rows.append(slot)
-    rows.append(lambda: write(lambda **row: slot.update(row, payload=row.get("payload") or {})))
+    rows.append(_PutOff(write, lambda **row: slot.update(row, payload=row.get("payload") or {})))
+
+
+class _PutOff:
+    """A put-off write and the event sink of its slot; called, it makes the write."""
+
+    def __init__(self, write, sink) -> None:
+        self.write, self.sink = write, sink
+
+    def __call__(self) -> None:
+        self.write(self.sink)
+
+
+def run_deferred_take() -> list[tuple[Any, Any]]:
+    """Take the batch's put-off writes out of it (in order), each with the event sink of its slot:
+    for a caller that makes them itself, together with a write of the same rows of its own."""
+    rows = _pending()
+    if not rows or not any(callable(row) for row in rows):
+        return []
+    taken = [(row.write, row.sink) for row in rows if callable(row)]
+    rows[:] = [row for row in rows if not callable(row)]
+    return taken
 
 
 def run_deferred_flush() -> None:

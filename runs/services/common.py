@@ -17,6 +17,7 @@ from core.errors import (
     NotFound,
 )
 from core.models import Project
+from core.fsm import save_moved_together
 from core.services import audit_record, row_lock, transition_log
 from core.sql import ModelRows, hot_cursor, per_vendor
 from runs.events import node_event, run_event
@@ -56,29 +57,102 @@ def _lock_run(run_id: int) -> Run:
     return row_lock(Run, run_id, entity="run")
 
 
-_RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
+def _lock_run_moved(run_id: int, action: str, *, source: str) -> Run | None:
+    """The run's row lock and its move by the transition ``action`` from ``source`` in one guarded
+    ``UPDATE ... RETURNING`` (built once per vendor), with the fields the service saves with that
+    move (``_RUN_MOVES``): the run as it is after. Only a run in ``source`` that is not gated (and
+    passes the move's own guard) moves this way, the common case; None otherwise, with nothing
+    written: the caller takes the row lock and goes the usual way (no-op, refusal, gated run)."""
+    if not connection.features.can_return_columns_from_insert:  # no RETURNING (SQLite before 3.35)
+        return None
+    target = getattr(Run, action)._django_fsm.get_transition(source).target
+    field = Run._meta.get_field("updated_at")
+    now = field.get_db_prep_value(timezone.now(), connection)
+    with hot_cursor() as cursor:
+        cursor.execute(_run_moved_sql(action), [target, now, now, *[now] * _RUN_MOVES[action][1], run_id, source])
+        row = cursor.fetchone()
+    return None if row is None else _RUN_ROWS.load(row)
+
+
+# The moves ``_lock_run_moved`` makes: what the service saves with the move (SQL, with so many
+# parameters, each the time of the move) and a further guard.
+_RUN_MOVES = {
+    "start": ("credits_reserved = credits_reserved + credit_limit", 0, " AND deleted_at IS NULL"),
+    "mark_running": ("last_heartbeat = %s, started_at = COALESCE(started_at, %s)", 2, " AND status_reason = ''"),
+}
 
 
 @per_vendor
-def _lock_run_of_sql(model) -> str:
+def _run_moved_sql(action: str) -> str:
+    qn = connection.ops.quote_name
+    also, _, guard = _RUN_MOVES[action]
+    columns = ", ".join(qn(field.column) for field in _RUN_ROWS.fields)
+    return (f"UPDATE {qn(Run._meta.db_table)} SET status = %s, status_changed_at = %s, updated_at = %s, {also}"
+            f" WHERE id = %s AND status = %s AND NOT gated{guard} RETURNING {columns}")
+
+
+_RUN_ROWS, _PROJECT_ROWS = ModelRows(Run), ModelRows(Project)
+_RUN_SAVED = tuple(field.name for field in Run._meta.concrete_fields if not field.primary_key)  # as save writes
+
+
+@per_vendor
+def _lock_run_of_sql(model, reads: str = "") -> str:
+    """The run of a ``model`` row, locked, and its project; ``reads`` ``"tree"``: with the current
+    attempt's tree (``_tree_sql``'s columns, an outer join), ``"step_attempt"``: with the step attempt
+    (the row itself), the run's current attempt and its tree (``_step_attempt_read_sql``'s columns)."""
     qn = connection.ops.quote_name
     lock = " FOR UPDATE OF r" if connection.features.has_select_for_update_of else ""
-    return (f"SELECT {_RUN_ROWS.columns('r')}, {_PROJECT_ROWS.columns('p')} FROM {qn(Run._meta.db_table)} r"
-            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id"
+    columns, joins = [_RUN_ROWS.columns("r"), _PROJECT_ROWS.columns("p")], []
+    if reads == "step_attempt":
+        columns += [_STEP_ATTEMPT_ROWS.columns("m"), _ATTEMPT_ROWS.columns("a"), _open_artifacts_sql("r.id")]
+        joins += [f" LEFT JOIN {qn(StepAttempt._meta.db_table)} m ON m.id = %s AND m.run_id = r.id",
+                  f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = r.attempt_number AND a.run_id = r.id"]
+    if reads:
+        step, task, agent = (qn(node._meta.db_table) for node in (Step, Task, Agent))
+        columns += [_STEP_ROWS.columns("s"), _TASK_ROWS.columns("t"), _AGENT_ROWS.columns("g")]
+        joins.append(f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g"
+                     " ON g.id = t.agent_id) ON s.run_id = r.id AND t.run_id = r.id AND g.run_id = r.id"
+                     " AND g.attempt_number = r.attempt_number")
+    return (f"SELECT {', '.join(columns)} FROM {qn(Run._meta.db_table)} r"
+            f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id{''.join(joins)}"
             f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
 
 
-def _lock_run_of(model, pk: int, *, entity: str) -> Run:
+def _lock_run_of(model, pk: int, *, entity: str, tree: bool = False) -> Run:
     """The run a step or a step attempt belongs to, locked, with its project (read, not locked), in
-    one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row."""
+    one prepared statement (its id read in a subquery); ``NotFound`` when there is no such row.
+    ``tree``: the run's tree is kept on it too (``_run_tree``), read in the same statement where the
+    transaction holds the database's write lock from its first statement (SQLite's ``BEGIN
+    IMMEDIATE``), else after the lock: on PostgreSQL a statement that waited for the row lock would
+    read the other rows as they were before it waited."""
+    return _lock_run_reading(model, pk, entity=entity, reads="tree" if tree else "")[0]
+
+
+def _lock_run_of_step_attempt(attempt_id: int) -> tuple[Run, StepAttempt | None]:
+    """The run of a step attempt, locked (``_lock_run_of``), and the attempt (None when there is
+    none), read with the run's current attempt and tree (``_step_attempt_read``)."""
+    return _lock_run_reading(StepAttempt, attempt_id, entity="step attempt", reads="step_attempt")
+
+
+def _lock_run_reading(model, pk: int, *, entity: str, reads: str) -> tuple[Run, StepAttempt | None]:
+    together = reads and connection.vendor == "sqlite"
     with hot_cursor() as cursor:
-        cursor.execute(_lock_run_of_sql(model), [pk])
-        row = cursor.fetchone()
-    if row is None:
+        cursor.execute(_lock_run_of_sql(model, reads if together else ""),
+                       [pk, pk] if together and reads == "step_attempt" else [pk])
+        rows = cursor.fetchall()
+    if not rows:
         raise NotFound(f"{entity} {pk} does not exist")
-    run = _RUN_ROWS.load(row)
-    run.project = _PROJECT_ROWS.load(row, _RUN_ROWS.width)
-    return run
+    run = _RUN_ROWS.load(rows[0])
+    run.project = _PROJECT_ROWS.load(rows[0], _RUN_ROWS.width)
+    at = _RUN_ROWS.width + _PROJECT_ROWS.width
+    if reads == "step_attempt":
+        return run, (_step_attempt_kept(run, rows, at) if together else _step_attempt_read(run, pk))
+    if reads == "tree":
+        if together:
+            _run_tree_keep(run, _tree_steps(rows, at))
+        else:
+            _run_tree(run)
+    return run, None
 
 
 class RunTree:
@@ -110,24 +184,7 @@ class RunTree:
         """The steps with their tasks and agents, one object per node, in one prepared statement."""
         with hot_cursor() as cursor:
             cursor.execute(_tree_sql(), [run.pk, run.pk, run.pk, run.attempt_number])
-            rows = cursor.fetchall()
-        tasks: dict[int, Task] = {}
-        agents: dict[int, Agent] = {}
-        steps = []
-        task_at, agent_at = _STEP_ROWS.width, _STEP_ROWS.width + _TASK_ROWS.width
-        task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
-        for row in rows:
-            step = _STEP_ROWS.load(row)
-            task = tasks.get(row[task_pk])
-            if task is None:
-                task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
-                agent = agents.get(row[agent_pk])
-                if agent is None:
-                    agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
-                task.agent = agent
-            step.task = task
-            steps.append(step)
-        return steps
+            return _tree_steps(cursor.fetchall())
 
     def agents_in_order(self) -> list[Agent]:
         return sorted(self.agents.values(), key=lambda a: a.sequence)
@@ -144,6 +201,34 @@ class RunTree:
 
 
 _STEP_ROWS, _TASK_ROWS, _AGENT_ROWS = ModelRows(Step), ModelRows(Task), ModelRows(Agent)
+_TREE_WIDTH = _STEP_ROWS.width + _TASK_ROWS.width + _AGENT_ROWS.width
+
+
+def _tree_steps(rows, start: int = 0) -> list[Step]:
+    """The steps of rows holding a step's, its task's and its agent's columns from ``start`` (the tree
+    statement's), one object per node; a row whose step is NULL (an outer join's) holds none."""
+    tasks: dict[int, Task] = {}
+    agents: dict[int, Agent] = {}
+    steps = []
+    step_pk = start + _STEP_ROWS.names.index("id")
+    task_at, agent_at = start + _STEP_ROWS.width, start + _STEP_ROWS.width + _TASK_ROWS.width
+    task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
+    for row in rows:
+        if row[step_pk] is None:
+            continue
+        step = _STEP_ROWS.load(row, start)
+        task = tasks.get(row[task_pk])
+        if task is None:
+            task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
+            agent = agents.get(row[agent_pk])
+            if agent is None:
+                agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
+            task.agent = agent
+        step.task = task
+        steps.append(step)
+    return steps
+
+
 @per_vendor
 def _tree_sql() -> str:
     """The current attempt's nodes of a run: each table filtered by its own run index (the run's
@@ -167,6 +252,79 @@ def _run_tree(run: Run) -> RunTree:
         if scope is not None:
             run.__dict__["_tree"] = tree
     return tree
+
+
+_STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
+
+
+def _step_attempt_read(run: Run, attempt_id: int) -> StepAttempt | None:
+    """A step attempt of a locked run (None when there is none), read with the run's current attempt
+    and tree in one prepared statement: in a ``run_atomic()`` transaction both are kept on the run as
+    ``_current_attempt`` and ``_run_tree`` keep them (read under the run's lock, as those read them)."""
+    number = run.attempt_number
+    with hot_cursor() as cursor:
+        cursor.execute(_step_attempt_read_sql(), [run.pk, number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
+        rows = cursor.fetchall()
+    return _step_attempt_kept(run, rows, 0)
+
+
+def _step_attempt_kept(run: Run, rows, at: int) -> StepAttempt | None:
+    """The step attempt of rows holding its columns from ``at``, then the run's current attempt's,
+    whether the run has artifacts without an expiry, and its tree's; the attempt, that answer and
+    the tree kept on the run (in a ``run_atomic()`` transaction)."""
+    if not rows or rows[0][at + _STEP_ATTEMPT_ROWS.names.index("id")] is None:
+        return None
+    attempt = _STEP_ATTEMPT_ROWS.load(rows[0], at)
+    at += _STEP_ATTEMPT_ROWS.width
+    scope = run_atomic_scope()
+    if scope is not None:
+        if rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
+            run.__dict__["_attempt"] = (scope, run.attempt_number, _ATTEMPT_ROWS.load(rows[0], at))
+        run.__dict__["_open_artifacts"] = (scope, bool(rows[0][at + _ATTEMPT_ROWS.width]))
+    _run_tree_keep(run, _tree_steps(rows, at + _ATTEMPT_ROWS.width + 1))
+    return attempt
+
+
+def _open_artifacts_sql(run_id: str) -> str:
+    """Whether the run ``run_id`` (SQL) has artifacts without an expiry (a column)."""
+    qn = connection.ops.quote_name
+    return (f"EXISTS (SELECT 1 FROM {qn(Artifact._meta.db_table)} x"
+            f" WHERE x.run_id = {run_id} AND x.expires_at IS NULL)")
+
+
+def _artifacts_open(run: Run) -> bool:
+    """Whether the run may have artifacts without an expiry: not when the run's read under its lock
+    in this ``run_atomic()`` transaction found none (``_step_attempt_kept``); artifacts are written
+    outside the run services, never in their transactions."""
+    known = run.__dict__.get("_open_artifacts")
+    scope = run_atomic_scope()
+    return not (scope is not None and known is not None and known[0] is scope and not known[1])
+
+
+def _run_tree_keep(run: Run, steps: list[Step]) -> None:
+    """Keep the tree of ``steps`` (the current attempt's, just read under the run's lock) on the run
+    for the rest of the ``run_atomic()`` transaction (nothing outside one)."""
+    scope = run_atomic_scope()
+    if scope is not None:
+        tree = RunTree(run, steps=steps)
+        tree.scope = scope
+        run.__dict__["_tree"] = tree
+
+
+@per_vendor
+def _step_attempt_read_sql() -> str:
+    """A step attempt, whether a run has artifacts without an expiry, the run's attempt of a number and
+    that attempt's tree (``_tree_sql``'s rows, an outer join: one row with none when it has no nodes
+    yet)."""
+    qn = connection.ops.quote_name
+    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    return (f"SELECT {_STEP_ATTEMPT_ROWS.columns('m')}, {_ATTEMPT_ROWS.columns('a')}, {_open_artifacts_sql('%s')},"
+            f" {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('g')}"
+            f" FROM {qn(StepAttempt._meta.db_table)} m"
+            f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
+            f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
+            " ON s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
+            " WHERE m.id = %s")
 
 
 def _run_tree_forget(run: Run) -> None:
@@ -196,16 +354,23 @@ def _apply(run: Run, action: str, *, why: str = "") -> None:
 
 
 def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reason: str = "",
-                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False) -> None:
+                       extra: dict | None = None, audit_after: dict | None = None, created: bool = False,
+                       moved: bool = False, with_rows: list | None = None) -> None:
     """Save the run and write its event, audit row and log line (``created``: the run was just
-    inserted as it is, with its ``status_changed_at``)."""
+    inserted as it is, with its ``status_changed_at``; ``moved``: it was just moved and saved as it
+    is by ``_lock_run_moved``; ``with_rows``: rows to save with it, ``(row, fields)``, in one statement
+    on PostgreSQL, ``core.fsm.save_moved_together``)."""
     now = timezone.now()
     if before["status"] != run.status and not created:
-        run.status_changed_at = now
-        if run.status in SETTLED_RUN_STATES:  # completed, failed or cancelled: its artifacts' time starts
+        if not moved:
+            run.status_changed_at = now
+        if run.status in SETTLED_RUN_STATES and _artifacts_open(run):  # settled: its artifacts' time starts
             Artifact.objects.filter(run=run, expires_at__isnull=True).update(
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
-    if not created:
+    if not created and not moved and with_rows:
+        run.updated_at = now  # as save's auto_now
+        save_moved_together([*with_rows, (run, _RUN_SAVED)])
+    elif not created and not moved:
         run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
     payload = {
@@ -257,14 +422,23 @@ def _current_attempt_sql() -> str:
             " WHERE a.run_id = %s AND a.number = %s")
 
 
-def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "") -> None:
-    """End the attempt (with the release ``_settle(..., save=False)`` just made, in one UPDATE)."""
+def _close_attempt(run: Run, attempt: RunAttempt | None, *, outcome: str, error_code: str = "",
+                   save: bool = True) -> list[tuple[RunAttempt, tuple[str, ...]]]:
+    """End the attempt (with the release ``_settle(..., save=False)`` just made, and a charge not saved
+    yet, ``_charge(..., save=False)``, in one UPDATE). ``save=False``: not saved yet; returns the row
+    to save with the run (``_record_run_change``'s ``with_rows``)."""
     if attempt is None:
-        return
+        return []
     attempt.outcome = outcome
     attempt.error_code = error_code
     attempt.ended_at = timezone.now()
-    attempt.save(update_fields=["outcome", "error_code", "ended_at", "credits_refunded"])
+    if not save:
+        return [(attempt, _ATTEMPT_CLOSED)]
+    attempt.save(update_fields=list(_ATTEMPT_CLOSED))
+    return []
+
+
+_ATTEMPT_CLOSED = ("outcome", "error_code", "ended_at", "credits_charged", "credits_refunded")
 
 
 def _duration_ms(run: Run, end) -> int:
@@ -286,7 +460,10 @@ def _node_event(node, *, before: str, run: Run, extra: dict | None = None) -> No
                      project_id=run.project_id, run_id=run.pk, payload=payload)
 
 
-def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True) -> None:
+def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = None, emit: bool = True,
+               save: bool = True) -> None:
+    """Move a node by ``action``, save it (``save=False``: the caller saves it, ``_nodes_saved``, before
+    anything reads it), write its log line and its event."""
     tree = run.__dict__.get("_tree")
     if tree is not None and not tree.holds(node):
         _run_tree_forget(run)  # another copy of a node moves: the tree is read again when needed
@@ -299,7 +476,8 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         node.finished_at = now
     if error is not None:
         node.last_error_code, node.last_error = error
-    node.save_moved(node.MOVING_FIELDS)
+    if save:
+        node.save_moved(node.MOVING_FIELDS)
     if isinstance(node, Task) and run.gated:
         bookkeeping.phase_moved(run, node, action=action)
     entity = type(node).__name__.lower()
@@ -308,6 +486,12 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
                    error is not None else "", name=node.name)
     if emit:
         _node_event(node, before=before, run=run)
+
+
+def _nodes_saved(nodes: list) -> None:
+    """Save nodes moved by ``_node_move(..., save=False)`` (of different levels) together
+    (``core.fsm.save_moved_together``)."""
+    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes])
 
 
 def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:

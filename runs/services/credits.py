@@ -9,7 +9,17 @@ import uuid
 
 from billing.errors import CreditLimitExceeded
 from billing.models import LedgerEntry
-from billing.services import ledger_charge, ledger_refund, ledger_reserve
+from billing.services import (
+    LedgerResult,
+    RunEntry,
+    ledger_charge,
+    ledger_charge_entry,
+    ledger_refund,
+    ledger_refund_entry,
+    ledger_reserve,
+    ledger_reserve_entry,
+    ledger_run_entries,
+)
 from core.errors import (
     InvalidTransition,
     ValidationFailed,
@@ -21,19 +31,18 @@ from runs.models import (
     Run,
     RunAttempt,
 )
-from runs.outbox import run_atomic, run_deferred, run_deferred_flush, run_event_record
+from runs.outbox import run_atomic, run_deferred, run_deferred_flush, run_deferred_take, run_event_record
 from runs.services.common import _lock_run, _snapshot
 
 
 def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> None:
     """Reserve the run's ``credit_limit`` for ``attempt`` (a new attempt not yet saved is inserted
     with it: its key names an attempt that did not exist, so the ledger does not look it up)."""
-    run_deferred_flush()  # the transaction's put-off charges first: the account's entries in order
-    result = ledger_reserve(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                            attempt_number=attempt.number, amount=run.credit_limit,
-                            idempotency_key=f"attempt:{attempt.number}:reserve", actor=actor,
-                            reason=reason or f"reserve for attempt {attempt.number}", emit=run_event_record,
-                            new=attempt.pk is None)
+    result = _ledger_after_charges(run.organization_id, ledger_reserve_entry(
+        organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+        attempt_number=attempt.number, amount=run.credit_limit, idempotency_key=f"attempt:{attempt.number}:reserve",
+        actor=actor, reason=reason or f"reserve for attempt {attempt.number}", emit=run_event_record,
+        new=attempt.pk is None))
     if result.created:
         attempt.credits_reserved += run.credit_limit
         run.credits_reserved += run.credit_limit
@@ -60,13 +69,14 @@ def _reserve_replan(run: Run, attempt: RunAttempt, *, amount: int, replan_number
         run.save(update_fields=["credits_reserved", "updated_at"])
 
 
-def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str) -> bool:
+def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str, save: bool = True) -> bool:
     """Charge an attempt's reservation for a step attempt being settled (``key``: the step
     attempt's, charged in the transaction that settles it, so never charged before: the ledger
     does not look it up; a duplicate still fails on its unique key); ``CreditLimitExceeded`` when
     it would go past the reservation. The ledger entry is written at the end of the transaction
     (``run_deferred``: the account's lock, which every run of the organization takes, is held
-    that long only), its event in its place; the attempt's and the run's figures move at once."""
+    that long only), its event in its place; the attempt's and the run's figures move at once
+    (``save=False``: the caller saves the attempt's ``credits_charged``)."""
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if amount > remaining:
         if LedgerEntry.objects.filter(run_id=run.pk, kind=LedgerEntry.Kind.CHARGE, idempotency_key=key).exists():
@@ -74,17 +84,42 @@ def _charge(run: Run, attempt: RunAttempt, *, amount: int, key: str, reason: str
         raise CreditLimitExceeded(
             f"run {run.pk} attempt {attempt.number}: charging {amount} would exceed the reservation "
             f"({remaining} of {attempt.credits_reserved} left)", run=run.pk, remaining=remaining)
-    organization_id, project_id, run_id, number = run.organization_id, run.project_id, run.pk, attempt.number
-
-    def write(emit) -> None:  # the organization's account is locked at the end of the transaction only
-        ledger_charge(organization_id=organization_id, project_id=project_id, run_id=run_id,
-                      attempt_number=number, amount=amount, idempotency_key=key, reason=reason, emit=emit, new=True)
-
-    run_deferred(write)
+    # The organization's account is locked at the end of the transaction only.
+    run_deferred(_ChargeWrite(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+                              attempt_number=attempt.number, amount=amount, idempotency_key=key, reason=reason))
     attempt.credits_charged += amount
     run.credits_charged += amount
-    attempt.save(update_fields=["credits_charged"])
+    if save:
+        attempt.save(update_fields=["credits_charged"])
     return True
+
+
+class _ChargeWrite:
+    """A step attempt's charge put off to the end of the transaction (``run_deferred``): written
+    alone there, or with the entry of the account that another write makes first
+    (``_ledger_after_charges``)."""
+
+    def __init__(self, **entry) -> None:
+        self.entry = entry
+
+    def __call__(self, emit) -> None:
+        ledger_charge(**self.entry, emit=emit, new=True)
+
+
+def _ledger_after_charges(organization_id: int, entry: RunEntry) -> LedgerResult:
+    """Append ``entry`` after the transaction's put-off charges, which are written now (the account's
+    entries in order): the organization's charges and ``entry`` under one lock of its account (one
+    read, one insert and one update of it)."""
+    batch: list[RunEntry] = []
+    for write, sink in run_deferred_take():
+        if isinstance(write, _ChargeWrite) and write.entry["organization_id"] == organization_id:
+            batch.append(ledger_charge_entry(**write.entry, emit=sink, new=True))
+            continue
+        if batch:
+            ledger_run_entries(organization_id=organization_id, entries=batch)
+            batch = []
+        write(sink)
+    return ledger_run_entries(organization_id=organization_id, entries=[*batch, entry])[-1]
 
 
 def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "", save: bool = True) -> None:
@@ -95,12 +130,11 @@ def _settle(run: Run, attempt: RunAttempt | None, *, actor=None, reason: str = "
     remaining = attempt.credits_reserved - attempt.credits_charged - attempt.credits_refunded
     if remaining <= 0:
         return
-    run_deferred_flush()
-    result = ledger_refund(organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
-                           attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
-                           idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
-                           reason=reason or f"release unused reservation of attempt {attempt.number}",
-                           emit=run_event_record)
+    result = _ledger_after_charges(run.organization_id, ledger_refund_entry(
+        organization_id=run.organization_id, project_id=run.project_id, run_id=run.pk,
+        attempt_number=attempt.number, amount=remaining, source=LedgerEntry.Source.RESERVATION,
+        idempotency_key=f"attempt:{attempt.number}:settle", actor=actor,
+        reason=reason or f"release unused reservation of attempt {attempt.number}", emit=run_event_record))
     if result.created:
         attempt.credits_refunded += remaining
         run.credits_refunded += remaining

@@ -11,12 +11,13 @@ from django.utils import timezone
 from django_fsm import can_proceed
 
 from billing.errors import InsufficientCredits
-from billing.selectors import account_balance
+from billing.selectors import account_available_sql
 from core.errors import (
     InvalidTransition,
     ValidationFailed,
 )
 from core.models import Project
+from core.sql import insert_returning
 from core.services import actor_label, audit_record, transition_log
 from runs.errors import PlanIsContract, RunNotStuck
 from runs.events import RUN_DELETED
@@ -40,6 +41,7 @@ from runs.services.common import (
     _dispatch_after_commit,
     _duration_ms,
     _lock_run,
+    _lock_run_moved,
     _node_move,
     _nodes_move,
     _record_run_change,
@@ -91,18 +93,20 @@ def run_create(*, project: Project, name: str, plan: Any, priority: int = 100,
     if errors:
         raise ValidationFailed("invalid run", errors=errors)
     limit = credit_limit if credit_limit is not None else plan_cost_estimate(plan)
-    balance = account_balance(organization_id=project.organization_id)
-    if balance["available"] < limit:
-        raise InsufficientCredits(
-            f"organization {project.organization_id} has {balance['available']} credits available; "
-            f"the run needs {limit}", available=balance["available"], required=limit)
-    run = Run.objects.create(
+    run = Run(
         organization_id=project.organization_id, project=project, name=name.strip(), plan=plan, priority=priority,
         failure_mode=failure_mode, max_attempts=max_attempts, credit_limit=limit,
         max_agents=plan.get("max_agents", settings.ORCHESTRATOR_MAX_AGENTS),
         created_by=actor if getattr(actor, "pk", None) else None, status_changed_at=timezone.now(),
         mode=mode, gated=plan_is_gated(plan),
     )
+    # The row and the organization's available credits in one statement; too few: the transaction
+    # rolls the row back (nothing is written).
+    available = insert_returning(run, account_available_sql(), [project.organization_id]) or 0
+    if available < limit:
+        raise InsufficientCredits(
+            f"organization {project.organization_id} has {available} credits available; "
+            f"the run needs {limit}", available=available, required=limit)
     before = {"status": "", "attempt": 1}
     _record_run_change(run, before=before, action="create", actor=actor, reason=reason, created=True)
     return run
@@ -114,6 +118,15 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
 
     Already pending: returns the run unchanged. ``InsufficientCredits`` leaves it created.
     """
+    run = _lock_run_moved(run_id, "start", source=Run.Status.CREATED)
+    if run is not None:  # locked and saved pending with its reservation (inserted and written below)
+        before = {**_snapshot(run), "status": Run.Status.CREATED,
+                  "credits_reserved": run.credits_reserved - run.credit_limit}
+        run.credits_reserved = before["credits_reserved"]  # what _reserve adds as it reserves
+        _reserve(run, RunAttempt(run=run, number=run.attempt_number), actor=actor, reason=reason)
+        _record_run_change(run, before=before, action="start", actor=actor, reason=reason, moved=True)
+        _dispatch_after_commit(run.pk)
+        return run
     run = _lock_run(run_id)
     if run.status == Run.Status.PENDING:
         return run
@@ -134,6 +147,15 @@ def run_mark_running(*, run_id: int, then: Callable[[Run], Any] | None = None) -
     """pending → running (spawn the attempt's agents) or resuming → running. Running: no-op.
     ``then`` is called with the run (locked) in the same transaction when the run is running
     (the engine schedules its runnable steps there)."""
+    run = _lock_run_moved(run_id, "mark_running", source=Run.Status.PENDING)
+    if run is not None:  # locked and saved running, with its heartbeat and start
+        before = {**_snapshot(run), "status": Run.Status.PENDING}
+        if _spawn_hierarchy(run):
+            bookkeeping.pipeline_begin(run)
+        _record_run_change(run, before=before, action="mark_running", moved=True)
+        if then is not None:
+            then(run)
+        return run
     run = _lock_run(run_id)
     if run.status == Run.Status.RUNNING:
         if then is not None:

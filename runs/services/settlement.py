@@ -54,8 +54,8 @@ def _complete_locked(run: Run, *, actor=None, reason: str = "") -> Run:
     run.completed_at = now
     run.duration_ms = _duration_ms(run, now)
     run.status_reason = ""
-    _close_attempt(run, attempt, outcome=Run.Status.COMPLETED)
-    _record_run_change(run, before=before, action="complete", actor=actor, reason=reason)
+    closed = _close_attempt(run, attempt, outcome=Run.Status.COMPLETED, save=False)
+    _record_run_change(run, before=before, action="complete", actor=actor, reason=reason, with_rows=closed)
     return run
 
 
@@ -70,8 +70,8 @@ def _fail_locked(run: Run, *, code: str, message: str, actor=None, reason: str =
     run.last_error = message
     run.completed_at = now
     run.duration_ms = _duration_ms(run, now)
-    _close_attempt(run, attempt, outcome=Run.Status.FAILED, error_code=code)
-    _record_run_change(run, before=before, action=action, actor=actor, reason=reason)
+    closed = _close_attempt(run, attempt, outcome=Run.Status.FAILED, error_code=code, save=False)
+    _record_run_change(run, before=before, action=action, actor=actor, reason=reason, with_rows=closed)
     return run
 
 

@@ -17,7 +17,7 @@ from core.errors import (
     InvalidTransition,
     NotFound,
 )
-from core.sql import ModelRows
+from core.fsm import save_moved_together
 from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
@@ -38,7 +38,9 @@ from runs.services.common import (
     _lock_run_of,
     _node_event,
     _node_move,
+    _nodes_saved,
     _run_tree,
+    _lock_run_of_step_attempt,
 )
 from runs.services.credits import _charge
 from runs.services.propagation import _after_step_done, _after_step_failed
@@ -133,7 +135,7 @@ def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | 
     (locked), the step and the attempt in the same transaction (the engine records the tool call
     there, after this begin's events).
     """
-    run = _lock_run_of(Step, step_id, entity="step")
+    run = _lock_run_of(Step, step_id, entity="step", tree=True)
     step = _run_tree(run).steps.get(step_id) or Step.objects.select_related("task__agent").get(pk=step_id)
     if run.status != Run.Status.RUNNING:
         raise InvalidTransition(entity="run", entity_id=run.pk, current=run.status, requested="begin step",
@@ -156,14 +158,16 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     """``step_begin`` for a step the caller found runnable (``runnable_steps``) under the run's lock,
     in the caller's transaction (the engine begins the next step where it settled the last)."""
     task, agent = step.task, step.task.agent
-    if agent.status == NodeStatus.PENDING:
-        _node_move(agent, "begin", run=run)
-    if task.status == NodeStatus.PENDING:
-        _node_move(task, "begin", run=run)
+    together = not run.gated  # a gated run's task keeps its phase record as it moves (reading the rows)
+    moved = [node for node in (agent, task) if node.status == NodeStatus.PENDING]
+    for node in moved:
+        _node_move(node, "begin", run=run, save=not together)
     step.attempts += 1
     step.tries_this_round += 1
     step.not_before = None
-    _node_move(step, "begin", run=run)
+    _node_move(step, "begin", run=run, save=not together)
+    if together:  # the agent's, the task's and the step's moves in one statement (PostgreSQL)
+        _nodes_saved([*moved, step])
     attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
                                          idempotency_key=_step_idempotency_key(run, step, step.attempts))
     now = timezone.now()
@@ -173,14 +177,10 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     return attempt
 
 
-_STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
-
-
 def _load_attempt(attempt_id: int) -> tuple[Run, StepAttempt, Step]:
     """The attempt, its step and its run (locked); the step is the run tree's own object when the
     attempt belongs to the current attempt of the run."""
-    run = _lock_run_of(StepAttempt, attempt_id, entity="step attempt")
-    attempt = _STEP_ATTEMPT_ROWS.by_pk(attempt_id)  # read under the run's lock: settled or not
+    run, attempt = _lock_run_of_step_attempt(attempt_id)  # the attempt read under the run's lock: settled or not
     if attempt is None:
         raise NotFound(f"step attempt {attempt_id} does not exist")
     step = _run_tree(run).steps.get(attempt.step_id) or Step.objects.select_related("task__agent").get(
@@ -258,22 +258,25 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     run_attempt = _current_attempt(run)
     cost = _step_cost(step, run)
     if cost:
-        try:
-            _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}")
+        try:  # the attempt's charged figure is saved below, or when the run settles and closes it
+            _charge(run, run_attempt, amount=cost, key=attempt.idempotency_key, reason=f"step {step.name}",
+                    save=False)
         except CreditLimitExceeded as exc:
             return _attempt_failed(run, attempt, step, code="credit_limit_exceeded", message=exc.detail,
                                    retryable=False, charge=False)
     attempt.outcome = StepAttempt.Outcome.SUCCEEDED
     attempt.cost = cost
     attempt.finished_at = timezone.now()
-    attempt.save(update_fields=["outcome", "cost", "finished_at"])
     step.output = output
     step.credits_charged += cost
-    _node_move(step, "complete", run=run)
+    _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement on PostgreSQL)
+    save_moved_together([(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS)])
     if run.gated:
         bookkeeping.step_pins_record(run, step)
     status = run.status
     _after_step_done(run, step.task)
+    if cost and not run_attempt.outcome:  # not closed (with its charged figure) by a settlement
+        run_attempt.save(update_fields=["credits_charged"])
     if run.status == status:  # not settled by the step (a settlement saves the whole run)
         run.last_heartbeat = timezone.now()  # a worker settled a step of the run: it is alive
         run.save(update_fields=["credits_charged", "last_heartbeat", "updated_at"])

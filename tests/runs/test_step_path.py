@@ -143,6 +143,31 @@ def test_a_node_write_refuses_a_copy_whose_state_moved_since_it_was_read(project
     assert Step.objects.get(pk=first.pk).status == "completed"
 
 
+def test_nodes_saved_together_refuse_a_copy_whose_state_moved_since_it_was_read(project):
+    from django_fsm import ConcurrentTransition
+
+    from core.fsm import save_moved_together
+    from runs.models import Agent, Step, Task
+
+    run = services.run_create(project=project, name="together", plan=make_plan(steps=1))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    agent, task, step = Agent.objects.get(run=run), Task.objects.get(run=run), Step.objects.get(run=run)
+    stale = Step.objects.get(run=run)
+    for node in (agent, task, step):
+        node.begin()
+    save_moved_together([(node, node.MOVING_FIELDS) for node in (agent, task, step)])
+    assert [type(node).objects.get(pk=node.pk).status for node in (agent, task, step)] == ["running"] * 3
+    agent.complete()
+    stale.begin()  # pending → running again on a stale copy: the row is running already
+    with pytest.raises(ConcurrentTransition), transaction.atomic():
+        save_moved_together([(agent, agent.MOVING_FIELDS), (stale, stale.MOVING_FIELDS)])
+    assert Agent.objects.get(pk=agent.pk).status == "running"  # rolled back with the refused move
+    step.complete()
+    save_moved_together([(step, step.MOVING_FIELDS)])  # the copies that moved them go on from what they wrote
+    assert Step.objects.get(pk=step.pk).status == "completed"
+
+
 def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(project):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
@@ -157,7 +182,7 @@ def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(proj
         assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
     statements = [query["sql"] for query in captured.captured_queries]
     account_lock = next(i for i, sql in enumerate(statements) if 'FROM "billing_creditaccount"' in sql)
-    step_write = next(i for i, sql in enumerate(statements) if sql.startswith('UPDATE "runs_step"'))
+    step_write = next(i for i, sql in enumerate(statements) if 'UPDATE "runs_step" SET' in sql)  # or in a WITH
     assert step_write < account_lock  # the organization's account is locked at the end of the settlement
     written = list(Event.objects.filter(pk__gt=last_event, run_id=run.pk).order_by("id"))
     assert [event.type for event in written][:2] == ["ledger_charge", "step_completed"]
