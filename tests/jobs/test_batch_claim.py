@@ -235,18 +235,23 @@ def test_racing_batch_claims_never_exceed_a_cap_or_run_two_jobs_of_a_lane(org_fa
 @pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, types, settings):
-    """The claim statement is prepared by the driver after a few executions and PostgreSQL then
-    may switch to a generic plan: executed many times on an empty table first, the plan it uses
-    once the table holds thousands of waiting jobs must still read the claim index, not sort the
-    table."""
+    """The claim's statements are prepared by the driver after a few executions and PostgreSQL then
+    may switch to a generic plan. Executed many times on an empty table first, with statistics taken
+    while it was empty (as a queue table's always lag behind it), the pick of the fresh candidates,
+    once the table holds thousands of waiting jobs, still walks the claim index in order (no sort,
+    no read of the whole table), and the claim statement reads no whole table either."""
+    from django.db import transaction
     from django.utils import timezone
 
-    from jobs.models import JobLane
-    from jobs.services.claim_sql import claim_sql
     from core.sql import hot_cursor
+    from jobs.models import JobLane
+    from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, fresh_sql
 
     settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 100_000
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE jobs_job")
+        cursor.execute("ANALYZE jobs_joblane")
     for _ in range(12):
         assert jobs_claim(worker="w1", limit=4) == []  # empty table: prepared, maybe generic
     with connection.cursor() as cursor:
@@ -256,24 +261,29 @@ def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, typ
                                  state=JobState.QUEUED, payload={}, lane=f"lane-{n % 500}" if n % 2 else "",
                                  queued_at=timezone.now()) for n in range(5000)])
     JobLane.objects.bulk_create([JobLane(key=f"lane-{n}", interactive_streak=5 if n < 3 else 0) for n in range(500)])
-    with connection.cursor() as cursor:
-        cursor.execute("ANALYZE jobs_job")
-        cursor.execute("ANALYZE jobs_joblane")
     for _ in range(6):
         claimed = jobs_claim(worker="w1", limit=4)
         assert len(claimed) == 4
         jobs_complete(results=[(job.pk, job.attempts, None) for job in claimed])
-    with hot_cursor() as cursor:
-        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s", ["%WITH RECURSIVE%"])
-        name = cursor.fetchone()[0]
-    text = claim_sql(4)
+    text = fresh_sql(4)
     assert "LIMIT 16 FOR UPDATE" in text  # constants in the text, so a generic plan still matches the partial index
-    plan, counts = _explain_prepared(name, text)
-    assert "job_claim_order_idx" in plan, (counts, plan)
-    assert "Seq Scan on jobs_job" not in plan, (counts, plan)  # neither claim order reads the whole table
+    with hot_cursor() as cursor:
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s",
+                       ["%array_agg(f.id)%LIMIT 16 FOR UPDATE%"])
+        pick = cursor.fetchone()[0]
+        cursor.execute("SELECT name FROM pg_prepared_statements WHERE statement LIKE %s", ["%WITH RECURSIVE%"])
+        claim = cursor.fetchone()[0]
+    with transaction.atomic():
+        with connection.cursor() as cursor:
+            cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])  # what every claim says to the planner first
+        plan, counts = _explain_prepared(pick, text, sort="on", seqscan="on")
+    assert "Index Scan using job_claim_order_idx" in plan, (counts, plan)
+    assert "Sort Key" not in plan and "Seq Scan on jobs_job " not in plan, (counts, plan)
+    plan, counts = _explain_prepared(claim, claim_sql(4), fresh=[0])
+    assert "Seq Scan on jobs_job " not in plan, (counts, plan)  # the claim statement reads no whole table
 
 
-def _explain_prepared(name: str, text: str) -> tuple[str, tuple]:
+def _explain_prepared(name: str, text: str, **extra) -> tuple[str, tuple]:
     """The plan PostgreSQL uses now for the prepared statement ``name`` of ``text`` (generic or
     custom), via EXPLAIN EXECUTE with the parameters a claim passes, and its plan counts."""
     import re
@@ -282,7 +292,7 @@ def _explain_prepared(name: str, text: str) -> tuple[str, tuple]:
 
     from jobs.services.claim import claim_params
 
-    params = claim_params(worker="w1", limit=4, now=timezone.now())
+    params = {**claim_params(worker="w1", limit=4, now=timezone.now()), **extra}
     names = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", text)))  # $1, $2 ... in order of first use
     with connection.cursor() as cursor:
         cursor.execute("SELECT parameter_types::text, generic_plans, custom_plans FROM pg_prepared_statements"
@@ -290,7 +300,10 @@ def _explain_prepared(name: str, text: str) -> tuple[str, tuple]:
         types, generic, custom = cursor.fetchone()
         types = [kind.strip('"') for kind in types.strip("{}").split(",")]
         assert len(types) == len(names)
-        literals = ", ".join("'{}'::{}".format(str(params[key]).replace("'", "''"), kind)
+        def literal(value) -> str:
+            return "{" + ",".join(map(str, value)) + "}" if isinstance(value, list) else str(value)
+
+        literals = ", ".join("'{}'::{}".format(literal(params[key]).replace("'", "''"), kind)
                              for key, kind in zip(names, types))
         cursor.execute(f'EXPLAIN EXECUTE "{name}"({literals})')
         return "\n".join(row[0] for row in cursor.fetchall()), (generic, custom)
