@@ -104,6 +104,8 @@ def _claim(limit: int, params: dict) -> list[Job]:
             if fresh_picked_first():
                 cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
                 params = {**params, "fresh": cursor.fetchone()[1] or []}
+                if not params["fresh"]:
+                    return []  # no eligible job (an aged one would have been picked too): no claim statement
             cursor.execute(claim_sql(limit), params)
             claimed = _jobs_from_rows(cursor.fetchall())
         if not claimed:
