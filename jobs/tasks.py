@@ -30,7 +30,7 @@ def drain(*args, **kwargs) -> int:
 
     The budget (``ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS`` jobs, ``..._DRAIN_MAX_S`` seconds) keeps
     one message short, so stopping a cluster waits for at most one budget plus one batch. On
-    PostgreSQL a drain that found nothing lingers a moment for jobs enqueued meanwhile
+    PostgreSQL a drain that found nothing may linger a moment for jobs enqueued meanwhile
     (``wake.linger``, ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS``).
     """
     worker.ensure_started()

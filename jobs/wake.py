@@ -8,7 +8,7 @@ queue empty waits at most the window, not the maintenance pump's interval). The 
 re-issues messages whenever eligible jobs wait with no message in the broker (lost messages,
 retries whose backoff has passed).
 
-On PostgreSQL a worker whose drain found the queue empty does not stop at once: it lingers for
+On PostgreSQL a worker whose drain found the queue empty can linger (off by default) for
 ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS`` listening on ``CHANNEL`` (``linger``), and an enqueue
 that queues a job claimable now notifies it in its own transaction (``notify_enqueued``,
 delivered at commit): the lingering worker claims the job without waiting for a wake message to
