@@ -16,7 +16,7 @@ from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
 from jobs.registry import definition_get
-from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, events_inline, fresh_picked_first, fresh_sql
+from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, events_inline, fresh_sql
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
 logger = logging.getLogger("orchestrator.jobs")
@@ -98,10 +98,9 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
 def _claim(limit: int, params: dict) -> list[Job]:
     with transaction.atomic():
         with hot_cursor() as cursor:
-            if connection.vendor == "postgresql":
+            if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
                 cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
                 _, sort, seqscan, _, _ = cursor.fetchone()
-            if fresh_picked_first():
                 cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
                 params = {**params, "fresh": cursor.fetchone()[1] or []}
                 if not params["fresh"]:

@@ -51,22 +51,9 @@ def claim_sql(limit: int) -> str:
     key = (connection.vendor, candidates, alone)
     if key not in _SQL:
         _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked,
-                           alone=alone, events_inline=events_inline(), picked=fresh_picked_first())
+                           alone=alone, events_inline=events_inline(),
+                           picked=connection.vendor == "postgresql")
     return _SQL[key]
-
-
-def fresh_picked_first() -> bool:
-    """Whether the fresh candidates are picked by a statement of their own before the claim
-    statement (PostgreSQL: ``LOCK_SQL``, then ``fresh_sql``, then ``claim_sql``).
-
-    A queue table's statistics are always behind it (thousands of rows enqueued between two
-    ANALYZEs), and the planner cannot estimate the eligibility filters (a half each, it guesses):
-    it then reads every waiting job and sorts them rather than walking the claim index, so a claim
-    costs in proportion to the depth of the queue (15 ms a claim at 20,000 waiting jobs, with the
-    claim lock held all along). The pick is planned with sorts disabled, for that one statement,
-    so its only plan is the claim index in order, stopping at the limit, whatever the statistics
-    say; the statement turns sorts back on for the claim statement, whose window functions need them."""
-    return connection.vendor == "postgresql"
 
 
 # The claim lock, and sorts and sequential scans off for the next statement (``fresh_sql``) of this
@@ -77,8 +64,17 @@ LOCK_SQL = ("SELECT pg_advisory_xact_lock(%s), current_setting('enable_sort'), c
 
 
 def fresh_sql(limit: int) -> str:
-    """The ids of the first eligible jobs in the claim order (locked), and the settings given back
-    (``%(sort)s``, ``%(seqscan)s``: what ``LOCK_SQL`` returned) for the statements after it."""
+    """PostgreSQL's pick of the fresh candidates, before the claim statement (which then reads them
+    by id, ``%(fresh)s``): the ids of the first eligible jobs in the claim order (locked), and the
+    settings given back (``%(sort)s``, ``%(seqscan)s``: what ``LOCK_SQL`` returned) for the
+    statements after it.
+
+    A queue table's statistics are always behind it (thousands of rows enqueued between two
+    ANALYZEs), and the planner cannot estimate the eligibility filters (a half each, it guesses):
+    within the claim statement it read every waiting job and sorted them rather than walking the
+    claim index, so a claim cost in proportion to the depth of the queue (15 ms at 20,000 waiting
+    jobs, the claim lock held all along). Planned with sorts off, the pick's only plan is the claim
+    index in order, stopping at the limit, whatever the statistics say."""
     candidates = max(CANDIDATES, 2 * limit)
     key = ("fresh", connection.vendor, candidates)
     if key not in _SQL:

@@ -15,6 +15,7 @@ from jobs.events import JOB_COMPLETED, JOB_STARTED
 from jobs.executor import jobs_run_claimed
 from jobs.models import Job, JobState
 from jobs.services import job_claim, job_complete, job_enqueue, jobs_claim, jobs_complete, queue_pause
+from tests.jobs.racing import race
 
 pytestmark = pytest.mark.django_db
 
@@ -193,31 +194,17 @@ def test_racing_batch_claims_never_exceed_a_cap_or_run_two_jobs_of_a_lane(org_fa
     for n in range(60):
         enqueue(projects[n % 2], "fg" if n % 3 else "bg", lane=f"lane-{n % 5}" if n % 4 else "", n=n)
     threads = 6
-    errors: list[BaseException] = []
     seen: list[int] = []
     lock = threading.Lock()
     while Job.objects.filter(state__in=[JobState.QUEUED]).exists():
-        barrier = threading.Barrier(threads)
         claimed: list[Job] = []
 
         def claim(index: int) -> None:
-            try:
-                connection.ensure_connection()
-                barrier.wait(timeout=30)
-                batch = jobs_claim(worker=f"w{index}", limit=3)
-                with lock:
-                    claimed.extend(batch)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                errors.append(exc)
-            finally:
-                connection.close()
+            batch = jobs_claim(worker=f"w{index}", limit=3)
+            with lock:
+                claimed.extend(batch)
 
-        workers = [threading.Thread(target=claim, args=(i,), daemon=True) for i in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(timeout=60)
-        assert not any(worker.is_alive() for worker in workers), "a claim hung"
+        errors = race(claim, threads, what="a claim")
         assert errors == []
         executing = list(Job.objects.filter(state=JobState.EXECUTING).values("lane", "organization_id", "slot"))
         assert 0 < len(executing) <= 7

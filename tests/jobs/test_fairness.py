@@ -14,6 +14,7 @@ from jobs.errors import QueueFull
 from jobs.models import Job, JobState
 from jobs.registry import PAYLOAD_LANE_MAX_LENGTH
 from jobs.services import job_claim, job_complete, job_enqueue
+from tests.jobs.racing import race
 
 COMMAND = {"command": "create_deployment", "args": {"name": "web"}, "idempotency_key": "victim"}
 
@@ -177,29 +178,16 @@ def test_concurrent_claims_never_exceed_the_organization_cap(org_factory, settin
     errors: list[BaseException] = []
 
     for _ in range(rounds):
-        barrier = threading.Barrier(threads)
         claimed: list[Job] = []
         lock = threading.Lock()
 
         def claim(index: int) -> None:
-            try:
-                connection.ensure_connection()
-                barrier.wait(timeout=30)
-                job = job_claim(worker=f"w{index}")
-                if job is not None:
-                    with lock:
-                        claimed.append(job)
-            except BaseException as exc:  # noqa: BLE001 - asserted below
-                errors.append(exc)
-            finally:
-                connection.close()
+            job = job_claim(worker=f"w{index}")
+            if job is not None:
+                with lock:
+                    claimed.append(job)
 
-        workers = [threading.Thread(target=claim, args=(i,), daemon=True) for i in range(threads)]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join(timeout=60)
-        assert not any(worker.is_alive() for worker in workers), "a claim hung"
+        errors += race(claim, threads, what="a claim")
         most.append(Job.objects.filter(organization=flood_org, state=JobState.EXECUTING).count())
         for job in claimed:  # finish this round's jobs so the next round races again
             assert job_complete(job_id=job.pk, attempt=job.attempts)
@@ -281,34 +269,20 @@ def test_concurrent_enqueues_stop_exactly_at_the_project_and_organization_caps(o
     organization, first, _ = org_factory()
     second = project_create(organization=organization, name="second")
     threads = 12
-    barrier = threading.Barrier(threads)
     outcomes: list[str] = []
-    errors: list[BaseException] = []
     lock = threading.Lock()
 
     def enqueue(index: int) -> None:
-        try:
-            connection.ensure_connection()
-            barrier.wait(timeout=30)
-            for n in range(3):
-                try:
-                    job_enqueue(job_type="noop", project=first if index % 2 else second, payload={"n": n})
-                    outcome = "enqueued"
-                except QueueFull as refused:
-                    outcome = refused.extra["scope"]
-                with lock:
-                    outcomes.append(outcome)
-        except BaseException as exc:  # noqa: BLE001 - asserted below
-            errors.append(exc)
-        finally:
-            connection.close()
+        for n in range(3):
+            try:
+                job_enqueue(job_type="noop", project=first if index % 2 else second, payload={"n": n})
+                outcome = "enqueued"
+            except QueueFull as refused:
+                outcome = refused.extra["scope"]
+            with lock:
+                outcomes.append(outcome)
 
-    workers = [threading.Thread(target=enqueue, args=(i,), daemon=True) for i in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(timeout=60)
-    assert not any(worker.is_alive() for worker in workers), "an enqueue hung"
+    errors = race(enqueue, threads, what="an enqueue")
     assert errors == []
     assert outcomes.count("enqueued") == 7 and len(outcomes) == 36
     waiting = Job.objects.filter(organization=organization, state=JobState.QUEUED)
