@@ -264,22 +264,23 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
         except CreditLimitExceeded as exc:
             return _attempt_failed(run, attempt, step, code="credit_limit_exceeded", message=exc.detail,
                                    retryable=False, charge=False)
+    now = timezone.now()
     attempt.outcome = StepAttempt.Outcome.SUCCEEDED
     attempt.cost = cost
-    attempt.finished_at = timezone.now()
+    attempt.finished_at = now
     step.output = output
     step.credits_charged += cost
     _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement on PostgreSQL)
-    save_moved_together([(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS)])
+    # The attempt, the step, the run attempt's charged figure and the run's (with its heartbeat: a
+    # worker settled a step of the run, it is alive) in one statement, before the propagation: a
+    # settlement it makes saves the run and closes the run attempt again, with these figures.
+    run.last_heartbeat = run.updated_at = now
+    save_moved_together([(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS),
+                         *([(run_attempt, ("credits_charged",))] if cost else []),
+                         (run, ("credits_charged", "last_heartbeat", "updated_at"))])
     if run.gated:
         bookkeeping.step_pins_record(run, step)
-    status = run.status
     _after_step_done(run, step.task)
-    if cost and not run_attempt.outcome:  # not closed (with its charged figure) by a settlement
-        run_attempt.save(update_fields=["credits_charged"])
-    if run.status == status:  # not settled by the step (a settlement saves the whole run)
-        run.last_heartbeat = timezone.now()  # a worker settled a step of the run: it is alive
-        run.save(update_fields=["credits_charged", "last_heartbeat", "updated_at"])
     return StepOutcome("completed", step.pk)
 
 
