@@ -24,14 +24,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from billing.services import account_charge
 from core.errors import ValidationFailed
 from core.models import Project
 from core.services import actor_label, audit_record, event_record, transition_log
-from core.sql import ModelRows
+from core.sql import ModelRows, hot_cursor, insert_returning, per_vendor
 from core.timefmt import isoformat_or_none
 from jobs.commands.adapters import AdapterError, ExecutionAdapter, adapter_get
 from jobs.commands.validation import command_args_validate, idempotency_key_errors, payload_hash
@@ -211,10 +211,10 @@ def _command_record_in(*, project: Project, kind: str, key: str, args: dict, dig
     """``_command_record`` in the caller's transaction."""
     record = None if new else _locked(project, kind, key)
     created = False
-    if new:
-        record = CommandRecord.objects.create(
-            project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
-            actor_label=actor_label(actor), attempts=1)
+    if new:  # one prepared INSERT (a step attempt's begin records its tool call)
+        record = CommandRecord(project=project, kind=kind, idempotency_key=key, payload_hash=digest, args=args,
+                               actor_label=actor_label(actor), attempts=1)
+        insert_returning(record)
         created = True
     elif record is None:
         try:
@@ -258,26 +258,49 @@ def _command_succeed(*, record_id: int, organization_id: int, result: Any,
                      on_success: Callable[[CommandResult], Any] | None = None,
                      emit: Callable[..., Any] | None = None) -> CommandRecord:
     with transaction.atomic(durable=True):
-        record = _RECORD_ROWS.by_pk(record_id, lock=True)
+        record = _recorded_succeed(record_id, result)  # the usual case, one statement: recorded → succeeded
+        before = CommandStatus.RECORDED
         if record is None:
-            raise CommandRecord.DoesNotExist(f"command {record_id} does not exist")
-        if record.status == CommandStatus.SUCCEEDED:
-            if on_success is not None:
-                on_success(CommandResult(record, record.result, replayed=True))
-            return record  # a concurrent replay stored its result first; the first result stands
-        before = record.status
-        record.status = CommandStatus.SUCCEEDED
-        record.result = result
-        record.error = ""
-        record.error_code = ""
-        record.completed_at = timezone.now()
-        record.save(update_fields=["status", "result", "error", "error_code", "completed_at", "updated_at"])
+            record = _RECORD_ROWS.by_pk(record_id, lock=True)
+            if record is None:
+                raise CommandRecord.DoesNotExist(f"command {record_id} does not exist")
+            if record.status == CommandStatus.SUCCEEDED:
+                if on_success is not None:
+                    on_success(CommandResult(record, record.result, replayed=True))
+                return record  # a concurrent replay stored its result first; the first result stands
+            before = record.status
+            record.status = CommandStatus.SUCCEEDED
+            record.result = result
+            record.error = ""
+            record.error_code = ""
+            record.completed_at = timezone.now()
+            record.save(update_fields=["status", "result", "error", "error_code", "completed_at", "updated_at"])
         _emit(record, COMMAND_SUCCEEDED, organization_id, emit=emit)
         transition_log(entity="command", id=record.pk, project=record.project_id, kind=record.kind,
                        attempt=record.attempts, **{"from": before, "to": record.status})
         if on_success is not None:
             on_success(CommandResult(record, record.result, replayed=False))
         return record
+
+
+def _recorded_succeed(record_id: int, result: Any) -> CommandRecord | None:
+    """The record ``record_id`` moved from recorded to succeeded with ``result`` (locked by its
+    update), as it is after the move; None when it is not recorded (gone, or finished meanwhile)."""
+    now = timezone.now()
+    result_field = CommandRecord._meta.get_field("result")
+    with hot_cursor() as cursor:
+        cursor.execute(_recorded_succeed_sql(), [CommandStatus.SUCCEEDED, result_field.get_db_prep_save(result, connection),
+                                                 now, now, record_id, CommandStatus.RECORDED])
+        row = cursor.fetchone()
+    return None if row is None else _RECORD_ROWS.load(row)
+
+
+@per_vendor
+def _recorded_succeed_sql() -> str:
+    qn = connection.ops.quote_name
+    return (f"UPDATE {qn(CommandRecord._meta.db_table)} SET status = %s, result = %s, error = '', error_code = '',"
+            f" completed_at = %s, updated_at = %s WHERE id = %s AND status = %s"
+            f" RETURNING {', '.join(qn(field.column) for field in _RECORD_ROWS.fields)}")
 
 
 def _command_fail(*, record_id: int, organization_id: int, code: str, message: str, final: bool) -> CommandRecord:
