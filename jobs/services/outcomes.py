@@ -8,11 +8,10 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
-from django.db.models import Exists
 from django.utils import timezone
 
 from core.services import audit_record, events_record, row_lock, transition_log
-from core.sql import hot_cursor
+from core.sql import hot_cursor, per_vendor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
@@ -179,15 +178,30 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
     values = {"payload": payload, "dedupe_key": key or "", "active_dedupe_key": f"{definition.type}:{key}" if key else None,
               "updated_at": timezone.now()}
-    if not savepoint:
-        held = Job.objects.filter(active_dedupe_key=values["active_dedupe_key"])
-        return current.filter(~Exists(held)).update(**values) == 1
+    if not savepoint:  # one prepared statement: a chained step retargets its job at every step
+        fields = [Job._meta.get_field(name) for name in values]
+        params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
+        with hot_cursor() as cursor:
+            cursor.execute(_retarget_sql(), [*params, job_id, job_type, attempt, JobState.EXECUTING,
+                                             values["active_dedupe_key"]])
+            return cursor.rowcount == 1
     try:
         with transaction.atomic():
             updated = current.update(**values)
     except IntegrityError:
         return False
     return updated == 1
+
+
+@per_vendor
+def _retarget_sql() -> str:
+    """``job_retarget``'s statement without a savepoint: the attempt's row, unless an active job
+    holds the new dedupe key (none is held by a NULL key)."""
+    qn = connection.ops.quote_name
+    table = qn(Job._meta.db_table)
+    sets = ", ".join(f"{qn(name)} = %s" for name in ("payload", "dedupe_key", "active_dedupe_key", "updated_at"))
+    return (f"UPDATE {table} SET {sets} WHERE id = %s AND type = %s AND attempts = %s AND state = %s"
+            f" AND NOT EXISTS (SELECT 1 FROM {table} h WHERE h.active_dedupe_key = %s)")
 
 
 def jobs_renew_leases(*, attempts: dict[int, int], worker: str) -> set[int]:
