@@ -56,6 +56,11 @@ def account_open(*, organization: Organization) -> CreditAccount:
 
 
 def _account_locked(organization_id: int) -> CreditAccount:
+    with hot_cursor() as cursor:  # one prepared statement: every charge of a step takes this lock
+        cursor.execute(_account_locked_sql(), [organization_id])
+        row = cursor.fetchone()
+    if row is not None:
+        return _ACCOUNT_ROWS.load(row)
     try:
         return CreditAccount.objects.select_for_update().get(organization_id=organization_id)
     except CreditAccount.DoesNotExist as exc:
@@ -96,6 +101,13 @@ def _account_locked_with_keys(organization_id: int, entries: list) -> tuple[Cred
 
 
 _ACCOUNT_ROWS = ModelRows(CreditAccount)
+
+
+@per_vendor
+def _account_locked_sql() -> str:
+    lock = " FOR UPDATE" if connection.features.has_select_for_update else ""
+    return (f"SELECT {_ACCOUNT_ROWS.columns('c')} FROM {connection.ops.quote_name(CreditAccount._meta.db_table)} c"
+            f" WHERE c.organization_id = %s{lock}")
 
 
 @per_vendor
