@@ -16,7 +16,7 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import hot_cursor, per_vendor
+from core.sql import hot_cursor, insert_returning, per_vendor
 
 _STATE_FIELDS: dict[type, tuple] = {}
 
@@ -45,13 +45,15 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
         self._update_initial_state()
 
 
-def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]]) -> None:
+def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any = None) -> None:
     """``save_moved`` of several rows (``(row, fields)``, of any models; a row of a model without state
     fields is written by its primary key alone): on PostgreSQL one prepared statement (each row's
     ``UPDATE`` in a ``WITH``, built once per models and fields), else one each.
     ``ConcurrentTransition`` when a row's state changed since it was read, or it is gone, as
-    ``save_moved`` raises (the others may be written: the caller's transaction fails with it)."""
-    if connection.vendor != "postgresql" or len(moves) < 2:
+    ``save_moved`` raises (the others may be written: the caller's transaction fails with it).
+    ``insert``: a new row inserted with them (``core.sql.insert_returning``; the statement's last
+    part on PostgreSQL), which gets its primary key."""
+    if connection.vendor != "postgresql" or len(moves) + (insert is not None) < 2:
         for row, fields in moves:
             if isinstance(row, ConcurrentTransitions):
                 row.save_moved(fields)
@@ -61,11 +63,18 @@ def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]]) -> None:
                 cursor.execute(sql, _moved_params(row, fields))
                 if cursor.rowcount != 1:
                     raise _moved_conflict(row)
+        if insert is not None:
+            insert_returning(insert)
         return
     params = [param for row, fields in moves for param in _moved_params(row, fields)]
-    with hot_cursor() as cursor:
-        cursor.execute(_moved_together_sql(tuple((type(row), fields) for row, fields in moves)), params)
-        counts = cursor.fetchone()
+    shape = tuple((type(row), fields) for row, fields in moves)
+    if insert is None:
+        with hot_cursor() as cursor:
+            cursor.execute(_moved_together_sql(shape), params)
+            counts = cursor.fetchone()
+    else:
+        counts = insert_returning(insert, f"ARRAY[{_moved_counts_sql(len(moves))}]", params,
+                                  with_=_moved_with_sql(shape))
     for (row, _), count in zip(moves, counts, strict=True):
         if count != 1:
             raise _moved_conflict(row)
@@ -126,7 +135,16 @@ def _moved_update_sql(model: type, fields: tuple[str, ...]) -> tuple[str, list]:
 @per_vendor
 def _moved_together_sql(moves: tuple[tuple[type, tuple[str, ...]], ...]) -> str:
     """``save_moved_together``'s statement: each move's ``UPDATE`` in a ``WITH``, their row counts."""
+    return f"{_moved_with_sql(moves)} SELECT {_moved_counts_sql(len(moves))}"
+
+
+@per_vendor
+def _moved_with_sql(moves: tuple[tuple[type, tuple[str, ...]], ...]) -> str:
     updates = [f"m{index} AS ({_moved_update_sql(model, fields)[0]} RETURNING 1)"
                for index, (model, fields) in enumerate(moves)]
-    counts = ", ".join(f"(SELECT count(*) FROM m{index})" for index in range(len(moves)))
-    return f"WITH {', '.join(updates)} SELECT {counts}"
+    return f"WITH {', '.join(updates)}"
+
+
+def _moved_counts_sql(count: int) -> str:
+    """The row counts of the ``WITH``'s updates, comma-separated."""
+    return ", ".join(f"(SELECT count(*) FROM m{index})" for index in range(count))

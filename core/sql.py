@@ -133,29 +133,34 @@ class ModelRows:
         return self.model.from_db(connection.alias, self.names, values)
 
 
-def insert_returning(instance, returning: str, params: list) -> Any:
+def insert_returning(instance, returning: str = "", params: list | tuple = (), *, with_: str = "") -> Any:
     """Insert the new ``instance`` (its fields as ``save`` writes them: ``pre_save`` fills ``auto_now``
     and the like) by one prepared statement built once per model and ``returning`` (an SQL expression
-    read in the same statement, ``params`` its parameters); the instance gets its primary key, and
-    the expression's value is returned. No ``pre_save`` or ``post_save`` signal is sent."""
+    read in the same statement, ``params`` its parameters; none by default); the instance gets its
+    primary key, and the expression's value is returned. No ``pre_save`` or ``post_save`` signal is
+    sent: for rows nothing listens to, written where ``Model.objects.create`` would compile the
+    same ``INSERT`` on every call. ``with_``: a ``WITH`` clause put before the ``INSERT`` (its
+    parameters first in ``params``, which then go before the row's values); ``returning`` may
+    read its parts (``core.fsm.save_moved_together``)."""
     model = type(instance)
     fields = [field for field in model._meta.concrete_fields if not field.primary_key]
     values = [field.get_db_prep_save(field.pre_save(instance, True), connection) for field in fields]
     with hot_cursor() as cursor:
-        cursor.execute(_insert_returning_sql(model, returning), [*values, *params])
-        pk, value = cursor.fetchone()
-    instance.pk = pk
+        cursor.execute(_insert_returning_sql(model, returning, with_),
+                       [*params, *values] if with_ else [*values, *params])
+        row = cursor.fetchone()
+    instance.pk = row[0]
     instance._state.adding, instance._state.db = False, connection.alias
-    return value
+    return row[1] if returning else None
 
 
 @per_vendor
-def _insert_returning_sql(model, returning: str) -> str:
+def _insert_returning_sql(model, returning: str, with_: str = "") -> str:
     qn = connection.ops.quote_name
     meta = model._meta
     columns = [qn(field.column) for field in meta.concrete_fields if not field.primary_key]
-    return (f"INSERT INTO {qn(meta.db_table)} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})"
-            f" RETURNING {qn(meta.pk.column)}, {returning}")
+    return (f"{with_ + ' ' if with_ else ''}INSERT INTO {qn(meta.db_table)} ({', '.join(columns)}) VALUES ({', '.join(['%s'] * len(columns))})"
+            f" RETURNING {qn(meta.pk.column)}{', ' + returning if returning else ''}")
 
 
 def union_count(querysets: list[QuerySet], *, limit: int) -> int:

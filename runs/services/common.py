@@ -488,10 +488,10 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
         _node_event(node, before=before, run=run)
 
 
-def _nodes_saved(nodes: list) -> None:
-    """Save nodes moved by ``_node_move(..., save=False)`` (of different levels) together
-    (``core.fsm.save_moved_together``)."""
-    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes])
+def _nodes_saved(nodes: list, *, insert=None) -> None:
+    """Save nodes moved by ``_node_move(..., save=False)`` (of different levels) together, with a new
+    row ``insert`` (``core.fsm.save_moved_together``)."""
+    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes], insert=insert)
 
 
 def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:

@@ -18,6 +18,7 @@ from core.errors import (
     NotFound,
 )
 from core.fsm import save_moved_together
+from core.sql import insert_returning
 from jobs.registry import BACKOFF_CAP_MS, backoff_ms, backoff_uncapped_ms
 from jobs.tools import tool_get
 from runs.models import (
@@ -166,10 +167,12 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     step.tries_this_round += 1
     step.not_before = None
     _node_move(step, "begin", run=run, save=not together)
-    if together:  # the agent's, the task's and the step's moves in one statement (PostgreSQL)
-        _nodes_saved([*moved, step])
-    attempt = StepAttempt.objects.create(run=run, step=step, number=step.attempts,
-                                         idempotency_key=_step_idempotency_key(run, step, step.attempts))
+    attempt = StepAttempt(run=run, step=step, number=step.attempts,
+                          idempotency_key=_step_idempotency_key(run, step, step.attempts))
+    if together:  # the agent's, the task's and the step's moves and the attempt: one statement (PostgreSQL)
+        _nodes_saved([*moved, step], insert=attempt)
+    else:
+        insert_returning(attempt)
     now = timezone.now()
     if run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE:
         run.last_heartbeat = now
