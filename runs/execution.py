@@ -23,7 +23,7 @@ from core.errors import InvalidTransition, NotFound, ValidationFailed
 from core.tracing import traced
 from jobs.errors import CommandConflict
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
-from jobs.services import job_enqueue, job_retarget
+from jobs.services import job_enqueue, job_retarget, jobs_enqueue_many
 from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
@@ -100,11 +100,7 @@ def _schedule(run: Run) -> list[int]:
         run.last_heartbeat = now
         run.save(update_fields=["last_heartbeat", "updated_at"])
     steps = services.runnable_steps(run)
-    queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
-    for step in steps:
-        if (step.pk, step.attempts) not in queued:
-            job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
-                        payload={"run": run.pk, "step": step.pk, "round": step.attempts})
+    _steps_enqueue(run, steps)
     if not steps:
         _wake_after_backoff(run)
     return [step.pk for step in steps]
@@ -194,14 +190,7 @@ class _Chain:
                                      payload={"run": run.pk, "step": step.pk, "round": step.attempts})):
                 mine = step
                 break
-        others = [step for step in steps if step is not mine]
-        queued = run_step_jobs_queued([(step.pk, step.attempts) for step in others])
-        others = [step for step in others if (step.pk, step.attempts) not in queued]  # else its job is on the way
-        if others:
-            run_events_flush()  # the settlement's events before the jobs' own
-        for step in others:
-            job_enqueue(job_type="run_step", project=run.project, run_id=run.pk, priority=run.priority,
-                        payload={"run": run.pk, "step": step.pk, "round": step.attempts})
+        _steps_enqueue(run, [step for step in steps if step is not mine], flush=True)
         if mine is not None:
             self.next_step = mine  # the run tree's own object: its task and agent move with it
             self.next_attempt = services.step_begin_locked(run, mine)
@@ -209,6 +198,23 @@ class _Chain:
         if not steps:
             run_events_flush()
             _wake_after_backoff(run)
+
+
+def _steps_enqueue(run: Run, steps: list[Step], *, flush: bool = False) -> None:
+    """Under the run's lock: queue a ``run_step`` job for each of ``steps`` that no active job holds
+    yet (else its job is on the way), all in one bulk enqueue. Every ``run_step`` job of a run is
+    enqueued or pointed at its step under the run's lock, so the keys looked up cannot be taken
+    meanwhile (``dedupe_checked``). ``flush``: the transaction's run events first (a settlement's
+    before the jobs' own)."""
+    queued = run_step_jobs_queued([(step.pk, step.attempts) for step in steps])
+    steps = [step for step in steps if (step.pk, step.attempts) not in queued]
+    if not steps:
+        return
+    if flush:
+        run_events_flush()
+    jobs_enqueue_many(job_type=RUN_STEP.type, project=run.project, run_id=run.pk, priority=run.priority,
+                      payloads=[{"run": run.pk, "step": step.pk, "round": step.attempts} for step in steps],
+                      dedupe_checked=True)
 
 
 def _command_record(run: Run, step: Step, attempt: StepAttempt) -> dict:

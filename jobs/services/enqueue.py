@@ -157,7 +157,8 @@ ENQUEUE_MANY_MAX = 1000
 
 @traced("jobs enqueue many")
 def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id: int | None = None,
-                      priority: int | None = None, not_before=None, actor=None) -> list[EnqueueResult]:
+                      priority: int | None = None, not_before=None, actor=None,
+                      dedupe_checked: bool = False) -> list[EnqueueResult]:
     """Queue several jobs of one type in one transaction: all of them or none.
 
     Every payload is validated first (``ValidationFailed`` names the bad ones by index; nothing
@@ -167,6 +168,11 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
     through ``job_enqueue`` for each payload in the same transaction (each its own dedupe
     outcome). Wakes as many workers as there are new jobs, up to the cluster's workers, after
     commit. At most ``ENQUEUE_MANY_MAX`` payloads per call.
+
+    ``dedupe_checked``: the caller holds, until its transaction ends, a lock that every writer of
+    this type's dedupe keys for these payloads holds, and found no active job holding them (the run
+    engine's ``run_step`` jobs, under their run's lock): a deduplicated type is written in bulk too,
+    with its keys (a key held after all fails the caller's transaction, as any failed statement).
     """
     if not settings.ORCHESTRATOR_QUEUE_ENABLED:
         raise QueueDisabled("the job queue is disabled (ORCHESTRATOR_QUEUE_ENABLED=false)")
@@ -187,14 +193,16 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
             errors[str(index)] = exc.errors or [exc.detail]
     if errors:
         raise ValidationFailed("invalid payloads", errors={"payloads": errors})
-    if definition.dedupe.mode != "none":
+    if definition.dedupe.mode != "none" and not dedupe_checked:
         with transaction.atomic():
             return [job_enqueue(job_type=job_type, project=project, payload=payload, run_id=run_id, priority=priority,
                                 not_before=not_before, actor=actor) for payload, _ in valid]
-    with transaction.atomic():
+    with transaction.atomic(savepoint=not dedupe_checked):  # dedupe_checked: the caller's transaction fails with it
+        deduped = definition.dedupe.mode != "none"
         jobs = Job.objects.bulk_create([
-            _new_job(definition, project, payload, lane=lane, key=None, run_id=run_id, priority=priority,
-                     not_before=not_before) for payload, lane in valid])
+            _new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
+                     if deduped else None, run_id=run_id, priority=priority, not_before=not_before)
+            for payload, lane in valid])
         for job in jobs:
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
                            **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")
