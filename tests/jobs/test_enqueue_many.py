@@ -66,6 +66,21 @@ def test_a_deduplicated_type_gets_each_payload_its_own_dedupe_outcome(project, d
     assert Job.objects.count() == 2
 
 
+def test_keys_checked_by_the_caller_are_written_in_bulk_and_hold_off_later_duplicates(project, define_job):
+    define_job(type="keyed", run=lambda ctx, p: None,
+               dedupe=Dedupe("drop_duplicate", key=lambda p, pid: f"{pid}:{p['k']}"))
+    results = jobs_enqueue_many(job_type="keyed", project=project, payloads=[{"k": "a"}, {"k": "b"}],
+                                dedupe_checked=True)
+    assert [result.dedupe for result in results] == ["enqueued", "enqueued"]
+    stored = list(Job.objects.order_by("pk").values_list("dedupe_key", "active_dedupe_key"))
+    assert stored == [(f"{project.pk}:a", f"keyed:{project.pk}:a"), (f"{project.pk}:b", f"keyed:{project.pk}:b")]
+    assert [(row.labels, row.count) for row in MetricDelta.objects.filter(name="jobs_enqueued")] \
+        == [('{"type":"keyed"}', 2)]
+    later = job_enqueue(job_type="keyed", project=project, payload={"k": "a"})
+    assert later.dedupe == "dropped" and later.job.pk == results[0].job.pk
+    assert Job.objects.count() == 2
+
+
 def test_the_workers_are_woken_after_commit_only(project, monkeypatch, django_capture_on_commit_callbacks):
     sent = []
     monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
