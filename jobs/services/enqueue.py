@@ -155,7 +155,13 @@ def _new_job(definition: JobDefinition, project: Project, payload: dict, *, lane
 ENQUEUE_MANY_MAX = 1000
 
 
-@traced("jobs enqueue many")
+def _enqueue_many_attributes(*args, job_type=None, project=None, run_id=None, **kwargs) -> dict[str, Any]:
+    return {"job_type": job_type if isinstance(job_type, str) else None,
+            "project_id": getattr(project, "pk", None), "run_id": run_id}
+
+
+@traced("jobs enqueue many", attributes=_enqueue_many_attributes,
+        result_attributes=lambda results: {"jobs": len(results)})
 def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id: int | None = None,
                       priority: int | None = None, not_before=None, actor=None,
                       dedupe_checked: bool = False) -> list[EnqueueResult]:

@@ -89,9 +89,10 @@ def test_request_enqueue_job_and_step_spans_form_one_trace(spans, tenant, caplog
         "orchestrator.project_id": tenant.project.pk, "orchestrator.outcome": "completed"}
 
     step = Step.objects.get(run_id=run_id)
-    step_enqueue = next(span for span in finished if span.name == "job enqueue"
+    step_enqueue = next(span for span in finished if span.name == "jobs enqueue many"  # a run's step jobs together
                         and span.attributes["orchestrator.job_type"] == "run_step")
     assert parent_of(step_enqueue, finished) is tick_run
+    assert step_enqueue.attributes["orchestrator.run_id"] == run_id and step_enqueue.attributes["orchestrator.jobs"] == 1
     step_job = next(span for span in finished if span.name == "job run_step")
     assert parent_of(step_job, finished) is step_enqueue
     assert step_job.attributes["orchestrator.step_id"] == step.pk
