@@ -190,3 +190,26 @@ def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(proj
     assert written[0].payload["entry"] == entry.pk and written[0].payload["amount"] == entry.amount == 1
     assert Run.objects.get(pk=run.pk).credits_charged == 1
     assert invariants_check() == []
+
+
+def test_nodes_saved_with_a_new_row_insert_it_and_a_refused_move_takes_it_back(project):
+    from django_fsm import ConcurrentTransition
+
+    from core.fsm import save_moved_together
+    from runs.models import Step, StepAttempt
+
+    run = services.run_create(project=project, name="together", plan=make_plan(steps=1))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    step, stale = Step.objects.get(run=run), Step.objects.get(run=run)
+    step.begin()
+    attempt = StepAttempt(run=run, step=step, number=1, idempotency_key=f"together:{step.pk}:1")
+    save_moved_together([(step, step.MOVING_FIELDS)], insert=attempt)
+    assert attempt.pk is not None and not attempt._state.adding
+    assert StepAttempt.objects.get(pk=attempt.pk).idempotency_key == f"together:{step.pk}:1"
+    assert Step.objects.get(pk=step.pk).status == "running"
+    stale.begin()  # a stale copy: the row is running already
+    late = StepAttempt(run=run, step=step, number=2, idempotency_key=f"together:{step.pk}:2")
+    with pytest.raises(ConcurrentTransition), transaction.atomic():
+        save_moved_together([(stale, stale.MOVING_FIELDS)], insert=late)
+    assert list(StepAttempt.objects.filter(step=step).values_list("number", flat=True)) == [1]
