@@ -1,7 +1,7 @@
 """End-to-end run throughput and latency on real workers, next to bare django-q2 on the same broker.
 
     .venv/bin/python bench/runs.py [--db sqlite|postgres] [--runs 40] [--tasks 1000] [--latency-runs 30]
-                                   [--profile]
+                                   [--latency-warmup 3] [--profile]
 
 One ``qcluster`` with 2 workers; ``--db postgres`` uses a scratch PostgreSQL database and the
 Redis broker (``BENCH_POSTGRES_URL``, ``BENCH_DATABASE_PREFIX``, ``BENCH_REDIS_URL`` as in
@@ -16,7 +16,8 @@ the same run:
   ``bench/scale.py``: ``pg_stat_database``, the processes' own counts, the ``run_start`` calls
   of the benchmark included, its polling left out; heartbeats and maintenance of the window too);
 * the latency of a 1-step run on idle workers: ``run_start`` → ``completed_at``, one run at a
-  time, p50 and p99 over ``--latency-runs`` runs;
+  time, p50 and p99 over ``--latency-runs`` runs, after ``--latency-warmup`` runs on the new
+  cluster (its first statements are planned and prepared then: those runs are printed apart);
 * ``invariants_check`` at the end.
 
 Exit status 1 (the reason on stderr) when a run does not complete, nothing moves for
@@ -148,8 +149,9 @@ def batch(project, count: int, env: dict, out: Path, database_url: str | None, p
     return count * STEPS_PER_RUN / (last - started).total_seconds(), counts
 
 
-def latency(project, count: int, env: dict, out: Path) -> tuple[float, float]:
-    """ms from ``run_start`` to ``completed_at`` of 1-step runs, one at a time, on idle workers."""
+def latency(project, count: int, env: dict, out: Path, warmup: int = 0) -> tuple[float, float, list[float]]:
+    """ms from ``run_start`` to ``completed_at`` of 1-step runs, one at a time, on idle workers: p50
+    and p99 of ``count`` runs after ``warmup`` runs on the new cluster, and the warm-up runs' own."""
     from django.utils import timezone
 
     from runs import services
@@ -158,7 +160,7 @@ def latency(project, count: int, env: dict, out: Path) -> tuple[float, float]:
     process = _cluster(env, out / "runs-latency.log")
     values = []
     try:
-        for _ in range(count):
+        for _ in range(warmup + count):
             run = services.run_create(project=project, name="bench 1x1x1", plan=plan(1, 1, 1))
             time.sleep(0.2)  # idle workers: the previous run's last jobs are done
             started = timezone.now()
@@ -176,7 +178,8 @@ def latency(project, count: int, env: dict, out: Path) -> tuple[float, float]:
             values.append((completed_at - started).total_seconds() * 1000)
     finally:
         stop_cluster(process)
-    return percentile(values, 50), percentile(values, 99)
+    timed = values[warmup:]
+    return percentile(timed, 50), percentile(timed, 99), values[:warmup]
 
 
 STALL_S = 120.0
@@ -189,12 +192,15 @@ def main():
     parser.add_argument("--runs", type=int, default=40, help="runs of 2x3x2 started together (default 40)")
     parser.add_argument("--tasks", type=int, default=1000, help="bare django-q2 tasks (default 1000)")
     parser.add_argument("--latency-runs", type=int, default=30, help="1-step runs timed one by one (default 30)")
+    parser.add_argument("--latency-warmup", type=int, default=3,
+                        help="1-step runs on the new cluster before the timed ones, reported apart (default 3)")
     parser.add_argument("--stall-seconds", type=float, default=120)
     parser.add_argument("--profile", action="store_true",
                         help="one more batch under py-spy (bench/out/profile-runs-<db>.folded)")
     args = parser.parse_args()
-    if args.runs < 1 or args.tasks < 2 or args.latency_runs < 1 or args.stall_seconds <= 0:
-        sys.exit("--runs and --latency-runs must be at least 1, --tasks at least 2, --stall-seconds positive")
+    if args.runs < 1 or args.tasks < 2 or args.latency_runs < 1 or args.latency_warmup < 0 or args.stall_seconds <= 0:
+        sys.exit("--runs and --latency-runs must be at least 1, --tasks at least 2, --latency-warmup at least 0, "
+                 "--stall-seconds positive")
     STALL_S = args.stall_seconds
     env = scratch_database(args.db, name="orchestrator_bench_runs")
     env.update({"ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "1000000", "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "1000000",
@@ -229,7 +235,7 @@ def main():
         print(f"bare django-q2: {tasks_rate:.0f} tasks/s", flush=True)
         steps_rate, counts = batch(project, args.runs, child_env, out, database_url)
         print(f"batch: {steps_rate:.1f} steps/s", flush=True)
-        p50, p99 = latency(project, args.latency_runs, child_env, out)
+        p50, p99, warm = latency(project, args.latency_runs, child_env, out, warmup=args.latency_warmup)
         profiled = None
         if args.profile:
             profiled, _ = batch(project, args.runs, env, out, database_url,  # no statement counters
@@ -254,7 +260,8 @@ def main():
     if counts["statements_source"] == "counted" and args.db == "postgres":
         print(f"  statements: {pg_stat_statements_note()}")
     print(f"1-step run, run_start -> completed, idle workers ({args.latency_runs} runs): p50 {p50:.0f} ms, "
-          f"p99 {p99:.0f} ms")
+          f"p99 {p99:.0f} ms" + (f"; the {len(warm)} warm-up runs on the new cluster before them: "
+                                 f"{', '.join(f'{value:.0f}' for value in warm)} ms" if warm else ""))
     if profiled:
         print(f"profiled batch (py-spy, not above): {profiled:.1f} steps/s -> bench/out/profile-runs-{args.db}.folded")
     print(f"check_invariants: {len(violations)} violation(s)")

@@ -7,14 +7,14 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import ValidationFailed
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, events_record, transition_log
-from core.sql import subqueries_row
+from core.sql import hot_cursor, per_vendor
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
@@ -37,19 +37,31 @@ def organization_max_waiting() -> int:
 
 
 def _waiting_depths(project: Project, *, new: int = 1) -> tuple[int, int, int]:
-    """Jobs waiting in the project, in its organization and in all, in one statement (each an
-    index read of its own, counted up to one past its cap: enough to tell whether the cap is
+    """Jobs waiting in the project, in its organization and in all, in one prepared statement (each
+    an index read of its own, counted up to one past its cap: enough to tell whether the cap is
     reached, ``new`` jobs of the caller's own transaction included, without reading a deep backlog
     further than that)."""
-    waiting = Job.objects.filter(state__in=NOT_STARTED_JOB_STATES)
-    counts = subqueries_row({"project": waiting.filter(project=project),
-                             "organization": waiting.filter(organization_id=project.organization_id),
-                             "total": waiting},
-                            wrap="(SELECT COUNT(*) FROM ({}) AS waiting)",
-                            limit={"project": settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + new,
-                                   "organization": organization_max_waiting() + new,
-                                   "total": settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + new})
-    return counts["project"], counts["organization"], counts["total"]
+    with hot_cursor() as cursor:
+        cursor.execute(_waiting_depths_sql(), [project.pk, settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + new,
+                                               project.organization_id, organization_max_waiting() + new,
+                                               settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + new])
+        project_count, organization_count, total = cursor.fetchone()
+    return int(project_count), int(organization_count), int(total)
+
+
+@per_vendor
+def _waiting_depths_sql() -> str:
+    """``_waiting_depths``' statement: the waiting states written out (not parameters), so that a
+    plan made once serves every call; each count stops at its limit."""
+    table = connection.ops.quote_name(Job._meta.db_table)
+    states = ", ".join(f"'{state}'" for state in NOT_STARTED_JOB_STATES)
+
+    def bounded(where: str) -> str:
+        return (f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} j WHERE j.state IN ({states}){where}"
+                " LIMIT %s) AS waiting)")
+
+    return (f"SELECT {bounded(' AND j.project_id = %s')}, {bounded(' AND j.organization_id = %s')},"
+            f" {bounded('')}")
 
 
 def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
@@ -241,9 +253,18 @@ def _caps_lock(project: Project) -> None:
 
     FOR NO KEY UPDATE: enqueuers wait for each other, but a transaction inserting a row that refers
     to the project (its foreign-key check takes KEY SHARE, as this enqueue's own job row did) never
-    waits for an enqueue, so no deadlock forms with one that holds a lock an enqueue needs next."""
-    Project.objects.select_for_update(no_key=True).filter(pk=project.pk).first()
-    Organization.objects.select_for_update(no_key=True).filter(pk=project.organization_id).first()
+    waits for an enqueue, so no deadlock forms with one that holds a lock an enqueue needs next.
+    Two prepared statements, in that order."""
+    with hot_cursor() as cursor:
+        for sql, pk in zip(_caps_lock_sql(), (project.pk, project.organization_id)):
+            cursor.execute(sql, [pk])
+
+
+@per_vendor
+def _caps_lock_sql() -> tuple[str, str]:
+    qn = connection.ops.quote_name
+    lock = " FOR NO KEY UPDATE" if connection.features.has_select_for_no_key_update else ""
+    return tuple(f"SELECT 1 FROM {qn(model._meta.db_table)} WHERE id = %s{lock}" for model in (Project, Organization))
 
 
 def _caps_check(project: Project, *, new: int) -> None:
