@@ -1,7 +1,7 @@
 """End-to-end run throughput and latency on real workers, next to bare django-q2 on the same broker.
 
-    .venv/bin/python bench/runs.py [--db sqlite|postgres] [--runs 40] [--tasks 1000] [--latency-runs 30]
-                                   [--latency-warmup 3] [--profile]
+    .venv/bin/python bench/runs.py [--db sqlite|postgres] [--runs 40] [--tasks 1000] [--rounds 1]
+                                   [--latency-runs 30] [--latency-warmup 3] [--profile]
 
 One ``qcluster`` with 2 workers; ``--db postgres`` uses a scratch PostgreSQL database and the
 Redis broker (``BENCH_POSTGRES_URL``, ``BENCH_DATABASE_PREFIX``, ``BENCH_REDIS_URL`` as in
@@ -11,7 +11,8 @@ the same run:
 * bare django-q2: ``--tasks`` trivial tasks (``bench.counting.counted``, ``save=False``) on the
   same broker, tasks/s from the first execution to the last (the stack's ceiling);
 * ``--runs`` runs of a 2 agents × 3 tasks × 2 ``echo`` steps plan, created first and started
-  together: steps/s from the first ``run_start`` to the last run's ``completed_at``, as a ratio
+  together (``--rounds``: the bare tasks and the batch in turn, that many times; each round's ratio
+  is printed, and the figures are the median round's): steps/s from the first ``run_start`` to the last run's ``completed_at``, as a ratio
   to the bare tasks/s; transactions and statements per step over that window (as in
   ``bench/scale.py``: ``pg_stat_database``, the processes' own counts, the ``run_start`` calls
   of the benchmark included, its polling left out; heartbeats and maintenance of the window too);
@@ -191,6 +192,9 @@ def main():
     parser.add_argument("--db", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--runs", type=int, default=40, help="runs of 2x3x2 started together (default 40)")
     parser.add_argument("--tasks", type=int, default=1000, help="bare django-q2 tasks (default 1000)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="bare tasks and a batch of runs, in turn, this many times; the median ratio's round "
+                             "is reported (default 1)")
     parser.add_argument("--latency-runs", type=int, default=30, help="1-step runs timed one by one (default 30)")
     parser.add_argument("--latency-warmup", type=int, default=3,
                         help="1-step runs on the new cluster before the timed ones, reported apart (default 3)")
@@ -198,9 +202,10 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="one more batch under py-spy (bench/out/profile-runs-<db>.folded)")
     args = parser.parse_args()
-    if args.runs < 1 or args.tasks < 2 or args.latency_runs < 1 or args.latency_warmup < 0 or args.stall_seconds <= 0:
-        sys.exit("--runs and --latency-runs must be at least 1, --tasks at least 2, --latency-warmup at least 0, "
-                 "--stall-seconds positive")
+    if (args.runs < 1 or args.rounds < 1 or args.tasks < 2 or args.latency_runs < 1 or args.latency_warmup < 0
+            or args.stall_seconds <= 0):
+        sys.exit("--runs, --rounds and --latency-runs must be at least 1, --tasks at least 2, --latency-warmup at "
+                 "least 0, --stall-seconds positive")
     STALL_S = args.stall_seconds
     env = scratch_database(args.db, name="orchestrator_bench_runs")
     env.update({"ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "1000000", "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "1000000",
@@ -231,10 +236,15 @@ def main():
     out.mkdir(exist_ok=True)
     load_before = os.getloadavg()[0]
     try:
-        tasks_rate = bare_rate(args.tasks, child_env, out)
-        print(f"bare django-q2: {tasks_rate:.0f} tasks/s", flush=True)
-        steps_rate, counts = batch(project, args.runs, child_env, out, database_url)
-        print(f"batch: {steps_rate:.1f} steps/s", flush=True)
+        rounds = []  # (bare tasks/s, steps/s, counts), bare and batch in turn
+        for number in range(1, args.rounds + 1):
+            tasks_rate = bare_rate(args.tasks, child_env, out)
+            print(f"round {number}: bare django-q2: {tasks_rate:.0f} tasks/s", flush=True)
+            steps_rate, counts = batch(project, args.runs, child_env, out, database_url)
+            print(f"round {number}: batch: {steps_rate:.1f} steps/s (ratio {steps_rate / tasks_rate:.4f})", flush=True)
+            rounds.append((tasks_rate, steps_rate, counts))
+        # The figures below: the round of the median ratio (the first of two middle ones).
+        tasks_rate, steps_rate, counts = sorted(rounds, key=lambda r: r[1] / r[0])[(len(rounds) - 1) // 2]
         p50, p99, warm = latency(project, args.latency_runs, child_env, out, warmup=args.latency_warmup)
         profiled = None
         if args.profile:
@@ -252,6 +262,9 @@ def main():
     print(f"database={args.db} broker={'redis' if args.db == 'postgres' else 'orm'} 1 qcluster x 2 workers; "
           f"{os.cpu_count()} CPU cores shared (1-minute load average {load_before:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end)")
+    if len(rounds) > 1:
+        print(f"{len(rounds)} rounds, ratios " + ", ".join(f"{r[1] / r[0]:.4f} ({r[1]:.1f} / {r[0]:.0f})" for r in rounds)
+              + "; the figures below are the median round's")
     print(f"bare django-q2 (trivial task, save=False) : {tasks_rate:8.1f} tasks/s")
     print(f"{args.runs} runs x {STEPS_PER_RUN} steps (2x3x2 echo), together : {steps_rate:8.1f} steps/s "
           f"({steps_rate / STEPS_PER_RUN:.2f} runs/s); steps/s / bare tasks/s = {steps_rate / tasks_rate:.4f}")
