@@ -26,6 +26,14 @@ def no_wake_messages(monkeypatch):
     monkeypatch.setattr("jobs.wake._send", lambda count: None)
 
 
+def running(project, name, *, steps):
+    """A run of one agent and task with ``steps`` steps, started and marked running (nodes spawned)."""
+    run = services.run_create(project=project, name=name, plan=make_plan(steps=steps))
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    return run
+
+
 def finish(project, plan):
     run = services.run_create(project=project, name="path", plan=plan)
     services.run_start(run_id=run.pk)
@@ -128,9 +136,7 @@ def test_a_node_write_refuses_a_copy_whose_state_moved_since_it_was_read(project
 
     from runs.models import Step
 
-    run = services.run_create(project=project, name="copies", plan=make_plan(steps=1))
-    services.run_start(run_id=run.pk)
-    services.run_mark_running(run_id=run.pk)
+    run = running(project, "copies", steps=1)
     first, second = Step.objects.get(run=run), Step.objects.get(run=run)
     first.begin()
     first.save_moved(first.MOVING_FIELDS)
@@ -149,9 +155,7 @@ def test_nodes_saved_together_refuse_a_copy_whose_state_moved_since_it_was_read(
     from core.fsm import save_moved_together
     from runs.models import Agent, Step, Task
 
-    run = services.run_create(project=project, name="together", plan=make_plan(steps=1))
-    services.run_start(run_id=run.pk)
-    services.run_mark_running(run_id=run.pk)
+    run = running(project, "together", steps=1)
     agent, task, step = Agent.objects.get(run=run), Task.objects.get(run=run), Step.objects.get(run=run)
     stale = Step.objects.get(run=run)
     for node in (agent, task, step):
@@ -172,9 +176,7 @@ def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(proj
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
-    run = services.run_create(project=project, name="charge", plan=make_plan(steps=2))
-    services.run_start(run_id=run.pk)
-    services.run_mark_running(run_id=run.pk)
+    run = running(project, "charge", steps=2)
     first = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
     attempt = services.step_begin(step_id=first.pk)
     last_event = Event.objects.order_by("-id").values_list("id", flat=True).first()
@@ -198,9 +200,7 @@ def test_nodes_saved_with_a_new_row_insert_it_and_a_refused_move_takes_it_back(p
     from core.fsm import save_moved_together
     from runs.models import Step, StepAttempt
 
-    run = services.run_create(project=project, name="together", plan=make_plan(steps=1))
-    services.run_start(run_id=run.pk)
-    services.run_mark_running(run_id=run.pk)
+    run = running(project, "together", steps=1)
     step, stale = Step.objects.get(run=run), Step.objects.get(run=run)
     step.begin()
     attempt = StepAttempt(run=run, step=step, number=1, idempotency_key=f"together:{step.pk}:1")
