@@ -175,7 +175,6 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
         return False
     payload = definition.validated(payload)
     key = definition.dedupe.key(payload, project_id) if definition.dedupe.mode != "none" else None
-    current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
     values = {"payload": payload, "dedupe_key": key or "", "active_dedupe_key": f"{definition.type}:{key}" if key else None,
               "updated_at": timezone.now()}
     if not savepoint:  # one prepared statement: a chained step retargets its job at every step
@@ -185,6 +184,7 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
             cursor.execute(_retarget_sql(), [*params, job_id, job_type, attempt, JobState.EXECUTING,
                                              values["active_dedupe_key"]])
             return cursor.rowcount == 1
+    current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
     try:
         with transaction.atomic():
             updated = current.update(**values)
