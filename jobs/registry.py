@@ -164,6 +164,11 @@ class JobDefinition:
     # Runs long (a chain of steps): claimed only at the head of a batch, so no job waits behind it in
     # one worker's batch while another worker idles.
     claim_alone: bool = False
+    # Shares the workers between runs: among waiting jobs of one priority and class, a job whose run
+    # has a job executing (of any type) yields its place to the jobs of other runs, so two workers
+    # take two runs rather than two branches of one run that then wait on each other for the run's
+    # lock. Priority and class still come first, and a run's own jobs keep their FIFO order.
+    spread_runs: bool = False
     bootstrap_key: str | None = None
     on_queued: Callable | None = None
     on_started: Callable | None = None
@@ -244,6 +249,11 @@ def definition_get(job_type: str) -> JobDefinition | None:
 
 def definition_types() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def spread_runs_types() -> tuple[str, ...]:
+    """The registered types whose jobs share the workers between runs (``JobDefinition.spread_runs``)."""
+    return tuple(sorted(name for name, definition in _REGISTRY.items() if definition.spread_runs))
 
 
 def claim_alone_types() -> tuple[str, ...]:

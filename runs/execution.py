@@ -324,6 +324,7 @@ RUN_TICK = register(JobDefinition(
 RUN_STEP = register(JobDefinition(
     type="run_step", run=_step, validate=_validate_step, priority_class="interactive",
     lane="none", claim_alone=True,  # a job goes on with its run's next steps (a chain): never behind others
+    spread_runs=True,  # two workers take two runs rather than two branches of one, which wait on its lock
     dedupe=Dedupe("drop_duplicate", key=lambda payload, project_id: f"{payload['step']}:{payload['round']}"),
     retry=RetryPolicy(max_attempts=3, base_delay_ms=200), timeout_s=STEP_JOB_TIMEOUT_S,
 ))

@@ -15,7 +15,7 @@ from core.services import events_record, transition_log
 from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
-from jobs.registry import definition_get
+from jobs.registry import definition_get, spread_runs_types
 from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, events_inline, fresh_sql
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
@@ -46,14 +46,20 @@ def jobs_eligible(now):
 def jobs_claim_order(now) -> tuple:
     """The claim order as querysets (the definition ``_pick`` follows): aged background jobs of a
     lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs in a row, oldest first; then every
-    eligible job by priority, interactive before background, FIFO."""
+    eligible job by priority, interactive before background, FIFO, where a job of a type that shares
+    the workers between runs (``spread_runs``) whose run has a job executing comes after the others of
+    its priority and class (the claim looks that far ahead among its first candidates only)."""
     eligible = jobs_eligible(now)
     aging = now - timedelta(milliseconds=settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS)
     saturated = JobLane.objects.filter(interactive_streak__gte=settings.ORCHESTRATOR_QUEUE_MAX_INTERACTIVE_BURST)
     aged = (eligible.filter(priority_class=PriorityClass.BACKGROUND, queued_at__lte=aging,
                             lane__in=Subquery(saturated.values("key")))
             .order_by("queued_at", "id"))
-    return aged, eligible.order_by("priority", "class_rank", "id")
+    spread = spread_runs_types()
+    busy_run = Case(When(Q(type__in=spread) & Exists(Job.objects.filter(run_id=OuterRef("run_id"),
+                                                                          state=JobState.EXECUTING)), then=Value(1)),
+                    default=Value(0)) if spread else Value(0)
+    return aged, eligible.annotate(busy_run=busy_run).order_by("priority", "class_rank", "busy_run", "id")
 
 
 def job_claim(*, worker: str, now=None) -> Job | None:
@@ -66,7 +72,9 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
     """Claim up to ``limit`` eligible jobs for ``worker`` in one statement, in claim order.
 
     Order: aged background jobs of a lane that ran ``MAX_INTERACTIVE_BURST`` interactive jobs
-    in a row first (oldest first), then lower ``priority``, interactive before background, FIFO.
+    in a row first (oldest first), then lower ``priority``, interactive before background, FIFO;
+    among the candidates of one priority and class, a job of a ``spread_runs`` type whose run has a
+    job executing after the others (two workers take two runs, not two branches of one run).
     A job is eligible when waiting, past ``not_before``, its queue not paused (``queue_pause``:
     neither its project's nor its type's), its lane idle, a concurrency slot free and its
     organization below its cap of executing jobs (``organization_max_executing``; an organization

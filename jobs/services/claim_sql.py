@@ -7,6 +7,9 @@ One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``)
    priority, class, FIFO), each an index scan with ``LIMIT`` and, on PostgreSQL, ``FOR UPDATE
    SKIP LOCKED`` (a row another transaction holds is passed over);
 2. ``ranked``: one claim order over both lists (aged first; a job in both keeps its first place);
+   among the fresh candidates of one priority and class, a job of a type that shares the workers
+   between runs (``spread_runs``) whose run has a job executing comes after the others (``busy``:
+   an index probe of the run's jobs), so the look-ahead is bounded by the candidates;
 3. ``lanes``: the first job of each lane (jobs without a lane each stand alone);
 4. ``in_organization`` and ``organization_free``: the n-th job of an organization gets the
    organization's n-th free slot (none free: the job stays queued);
@@ -32,7 +35,7 @@ from django.db import connection
 from core.models import Event
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
-from jobs.registry import claim_alone_types
+from jobs.registry import claim_alone_types, spread_runs_types
 from jobs.services.common import _job_columns
 
 # The key of the transaction-scoped advisory lock every claim takes on PostgreSQL.
@@ -47,11 +50,11 @@ _SQL: dict[tuple[str, int], str] = {}
 def claim_sql(limit: int) -> str:
     """The claim statement for this connection's vendor (``limit`` only widens the candidates)."""
     candidates = max(CANDIDATES, 2 * limit)
-    alone = claim_alone_types()
-    key = (connection.vendor, candidates, alone)
+    alone, spread = claim_alone_types(), spread_runs_types()
+    key = (connection.vendor, candidates, alone, spread)
     if key not in _SQL:
         _SQL[key] = _build(candidates, skip_locked=connection.features.has_select_for_update_skip_locked,
-                           alone=alone, events_inline=events_inline(),
+                           alone=alone, spread=spread, events_inline=events_inline(),
                            picked=connection.vendor == "postgresql")
     return _SQL[key]
 
@@ -119,13 +122,24 @@ def _eligible() -> str:
     )
 
 
-def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), events_inline: bool = False,
-           picked: bool = False) -> str:
+def _busy_run(spread: tuple[str, ...]) -> str:
+    """1 for a candidate (alias ``j``) of a type in ``spread`` whose run has a job executing, else 0."""
+    if not spread:
+        return "0"
+    job = connection.ops.quote_name(Job._meta.db_table)
+    names = ", ".join(_literal(name) for name in spread)
+    return (f"CASE WHEN j.type IN ({names}) AND EXISTS (SELECT 1 FROM {job} e WHERE e.run_id = j.run_id"
+            f" AND e.state = {_literal(JobState.EXECUTING)}) THEN 1 ELSE 0 END")
+
+
+def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), spread: tuple[str, ...] = (),
+           events_inline: bool = False, picked: bool = False) -> str:
     qn = connection.ops.quote_name
     job, lane = qn(Job._meta.db_table), qn(JobLane._meta.db_table)
     executing = _literal(JobState.EXECUTING)
     lock = " FOR UPDATE OF j SKIP LOCKED" if skip_locked else ""
     eligible = _eligible()
+    busy = _busy_run(spread)
     columns = _job_columns()
     # The saturated lanes and the free slots are computed once per statement: inlined (PostgreSQL's
     # default for a CTE read once), the free slots are computed again for every chosen job, and the
@@ -148,16 +162,16 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), e
         f" JOIN {job} j ON j.lane = l.lane WHERE {eligible}"
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
-        + (f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank FROM {job} j"
-           " WHERE j.id = ANY(%(fresh)s::bigint[])),"
+        + (f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"
+           f" {busy} AS busy FROM {job} j WHERE j.id = ANY(%(fresh)s::bigint[])),"
            if picked else
-           f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank FROM {job} j"
-           f" WHERE {eligible} ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates}{lock}),")
+           f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"
+           f" {busy} AS busy FROM {job} j WHERE {eligible} ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates}{lock}),")
         +
         " candidates AS (SELECT id, lane, organization_id, type, 0 AS grp,"
         " ROW_NUMBER() OVER (ORDER BY queued_at, id) AS pos FROM aged"
         " UNION ALL SELECT id, lane, organization_id, type, 1 AS grp,"
-        " ROW_NUMBER() OVER (ORDER BY priority, class_rank, id) AS pos FROM fresh),"
+        " ROW_NUMBER() OVER (ORDER BY priority, class_rank, busy, id) AS pos FROM fresh),"
         " ranked AS (SELECT id, lane, organization_id, type, ROW_NUMBER() OVER (ORDER BY grp, pos) AS claim_rank,"
         " ROW_NUMBER() OVER (PARTITION BY id ORDER BY grp, pos) AS copy FROM candidates),"
         " lanes AS (SELECT id, organization_id, type, claim_rank, ROW_NUMBER() OVER (PARTITION BY lane,"

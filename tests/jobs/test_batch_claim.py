@@ -8,6 +8,7 @@ import threading
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 from django.test.utils import CaptureQueriesContext
 
 from core.models import Event
@@ -58,6 +59,36 @@ def test_a_long_job_is_claimed_alone_at_the_head_of_a_batch_and_the_order_is_kep
     assert [job.pk for job in jobs_claim(worker="w1", limit=10)] == [after.pk]
     assert [job.pk for job in jobs_claim(worker="w2", limit=10)] == [long_two.pk]
     assert Job.objects.filter(state=JobState.EXECUTING).count() == 5
+
+
+def test_jobs_that_spread_runs_give_two_workers_two_runs_priority_and_each_runs_order_kept(project, define_job,
+                                                                                            settings):
+    """A job of a ``spread_runs`` type whose run has a job executing waits behind another run's job
+    of its priority and class; it keeps its place against lower priorities and within its run."""
+    from jobs.services import jobs_claim_order
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    define_job(type="branch", run=lambda ctx, p: None, priority_class="interactive", lane="none", spread_runs=True)
+
+    def branch(run_id, n, priority=None):
+        return job_enqueue(job_type="branch", project=project, payload={"n": n}, run_id=run_id,
+                           priority=priority).job
+
+    first_a, second_a, third_a = branch(1, 1), branch(1, 2), branch(1, 3)
+    first_b, later = branch(2, 4), branch(3, 5, priority=200)
+    claims = []
+    for worker in ("w1", "w2", "w3"):
+        expected = jobs_claim_order(timezone.now())[1].first()
+        claims.append(job_claim(worker=worker))
+        assert claims[-1].pk == expected.pk  # the claim follows the order's definition
+    # run 1's second branch waits while its first executes; run 2's job goes first; the job of a
+    # lower priority (a larger number) still waits behind run 1's
+    assert [job.pk for job in claims] == [first_a.pk, first_b.pk, second_a.pk]
+    assert Job.objects.get(pk=later.pk).state == JobState.QUEUED
+    for job in claims:
+        job_complete(job_id=job.pk, attempt=job.attempts, result=None)
+    assert job_claim(worker="w1").pk == third_a.pk  # run 1 idle again: its next job in FIFO order
+    assert job_claim(worker="w2").pk == later.pk
 
 
 def test_a_batch_takes_one_job_per_lane_and_none_of_a_busy_lane(project, types, settings):
