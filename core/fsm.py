@@ -16,7 +16,7 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import hot_cursor, insert_returning, per_vendor
+from core.sql import db, hot_cursor, insert_returning, per_vendor
 
 _STATE_FIELDS: dict[type, tuple] = {}
 
@@ -53,7 +53,7 @@ def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any
     ``save_moved`` raises (the others may be written: the caller's transaction fails with it).
     ``insert``: a new row inserted with them (``core.sql.insert_returning``; the statement's last
     part on PostgreSQL), which gets its primary key."""
-    if connection.vendor != "postgresql" or len(moves) + (insert is not None) < 2:
+    if db().vendor != "postgresql" or len(moves) + (insert is not None) < 2:
         for row, fields in moves:
             if isinstance(row, ConcurrentTransitions):
                 row.save_moved(fields)
@@ -87,7 +87,8 @@ def _moved_params(row, fields: tuple[str, ...]) -> list:
     """The parameters of ``_moved_update_sql``'s statement for ``row``: its fields, its key, the states
     it was read in."""
     _, columns = _moved_update_sql(type(row), fields)
-    params = [field.get_db_prep_save(getattr(row, field.attname), connection) for field in columns]
+    conn = db()
+    params = [field.get_db_prep_save(getattr(row, field.attname), conn) for field in columns]
     initial = getattr(row, "_ConcurrentTransitionMixin__initial_states", {})
     return params + [row.pk, *(initial[field.attname] for field in _state_fields_of(type(row)))]
 

@@ -6,8 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import connection, connections
-from django.db.models import QuerySet
+from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db.models import Model, QuerySet
+from django.db.models.base import ModelState
+from django.db.models.signals import post_init, pre_init
+from django_fsm import ConcurrentTransitionMixin
+
+
+def db():
+    """This thread's default connection itself, not the ``django.db.connection`` proxy, which looks
+    the connection up again on every attribute read: hot paths read it once."""
+    return connections[DEFAULT_DB_ALIAS]
 
 
 def per_vendor(build):
@@ -16,7 +25,7 @@ def per_vendor(build):
     built: dict[tuple, Any] = {}
 
     def cached(*args):
-        key = (connection.vendor, *args)
+        key = (db().vendor, *args)
         if key not in built:
             built[key] = build(*args)
         return built[key]
@@ -30,10 +39,11 @@ def hot_cursor():
     parameters on the server, so psycopg prepares a statement once it ran ``prepare_threshold``
     times on the connection (parsed and planned once, not per call); it goes through Django's
     cursor wrapper all the same (execute wrappers, query logging)."""
-    connection.ensure_connection()
-    if connection.vendor != "postgresql":
-        return connection.cursor()
-    return connection._prepare_cursor(_hot_cursor_class()(connection.connection))
+    conn = db()
+    conn.ensure_connection()
+    if conn.vendor != "postgresql":
+        return conn.cursor()
+    return conn._prepare_cursor(_hot_cursor_class()(conn.connection))
 
 
 _HOT_CURSOR: list[type] = []
@@ -90,12 +100,13 @@ class ModelRows:
         self.width = len(self.fields)
         self._converters: dict[str, list] = {}
         self._by_pk: dict[tuple[str, bool], str] = {}
+        self._plain_model: bool | None = None
 
     def columns(self, alias: str) -> str:
         qn = connection.ops.quote_name
         return ", ".join(f"{alias}.{qn(field.column)}" for field in self.fields)
 
-    def _converters_now(self) -> list:
+    def _converters_now(self, connection) -> list:
         found = self._converters.get(connection.vendor)
         if found is None:
             found = []
@@ -124,13 +135,37 @@ class ModelRows:
 
     def load(self, row, start: int = 0):
         """The instance whose values are ``row[start:start + width]``."""
+        conn = db()
         values = list(row[start:start + self.width])
-        for index, expression, functions in self._converters_now():
+        for index, expression, functions in self._converters_now(conn):
             value = values[index]
             for function in functions:
-                value = function(value, expression, connection)
+                value = function(value, expression, conn)
             values[index] = value
-        return self.model.from_db(connection.alias, self.names, values)
+        if not self._plain():
+            return self.model.from_db(conn.alias, self.names, values)
+        # What ``from_db`` builds, without the field-by-field ``__init__`` (a run's tree loads dozens of
+        # rows per transaction): every concrete field's value, the state of a row read from ``conn``.
+        instance = self.model.__new__(self.model)
+        instance.__dict__.update(zip(self.names, values))
+        instance._state = ModelState()
+        instance._state.adding, instance._state.db = False, conn.alias
+        if isinstance(instance, ConcurrentTransitionMixin):
+            instance._update_initial_state()
+        return instance
+
+    def _plain(self) -> bool:
+        """Whether ``Model.from_db`` would do nothing but set the fields: the model keeps Django's own
+        ``from_db`` and ``__init__`` (the state machines' mixin adds only its initial states) and
+        nothing listens to its ``pre_init``/``post_init`` signals."""
+        if self._plain_model is None:
+            model = self.model
+            self._plain_model = (model.from_db.__func__ is Model.from_db.__func__
+                                 and all(klass.__dict__.get("__init__") is None
+                                         for klass in model.__mro__
+                                         if klass not in (Model, ConcurrentTransitionMixin, object)))
+        return (self._plain_model and not pre_init.has_listeners(self.model)
+                and not post_init.has_listeners(self.model))
 
 
 def insert_returning(instance, returning: str = "", params: list | tuple = (), *, with_: str = "") -> Any:
@@ -142,15 +177,15 @@ def insert_returning(instance, returning: str = "", params: list | tuple = (), *
     same ``INSERT`` on every call. ``with_``: a ``WITH`` clause put before the ``INSERT`` (its
     parameters first in ``params``, which then go before the row's values); ``returning`` may
     read its parts (``core.fsm.save_moved_together``)."""
-    model = type(instance)
+    model, conn = type(instance), db()
     fields = [field for field in model._meta.concrete_fields if not field.primary_key]
-    values = [field.get_db_prep_save(field.pre_save(instance, True), connection) for field in fields]
+    values = [field.get_db_prep_save(field.pre_save(instance, True), conn) for field in fields]
     with hot_cursor() as cursor:
         cursor.execute(_insert_returning_sql(model, returning, with_),
                        [*params, *values] if with_ else [*values, *params])
         row = cursor.fetchone()
     instance.pk = row[0]
-    instance._state.adding, instance._state.db = False, connection.alias
+    instance._state.adding, instance._state.db = False, conn.alias
     return row[1] if returning else None
 
 
@@ -187,3 +222,85 @@ def union_count(querysets: list[QuerySet], *, limit: int) -> int:
         cursor.execute(f"SELECT COUNT(*) FROM (SELECT 1 FROM ({' UNION ALL '.join(parts)}) AS parts "
                        f"LIMIT %s) AS bounded", [*params, limit])
         return int(cursor.fetchone()[0])
+
+
+def insert_tree(levels: list[tuple[list, str | None]]) -> None:
+    """Insert new rows of several models, each level's rows pointing at the previous level's new rows:
+    ``levels`` is ``[(rows, parent), ...]`` where ``parent`` names the foreign key through which each
+    row of the level points at a row of the level before (the instance itself, set on the row: its
+    key is not known yet), None for the first level. Every row gets its primary key.
+
+    On PostgreSQL one prepared statement whatever the numbers of rows: each level one ``INSERT ...
+    SELECT`` from arrays (``unnest``, a parameter per column), its rows numbered in order and matched
+    to the previous level's new keys, which increase in the order the rows were given (as
+    ``bulk_create`` relies on). Elsewhere one ``bulk_create`` per level. Fields are written as
+    ``save`` writes them (``pre_save``); no signal is sent."""
+    levels = [(rows, parent) for rows, parent in levels if rows]
+    if not levels:
+        return
+    conn = db()
+    if conn.vendor != "postgresql":
+        for rows, parent in levels:
+            if parent is not None:
+                for row in rows:  # the parent's key, now known
+                    setattr(row, parent, getattr(row, parent))
+            type(rows[0]).objects.bulk_create(rows)
+        return
+    shape = tuple((type(rows[0]), parent) for rows, parent in levels)
+    params: list = []
+    previous: dict[int, int] = {}
+    for rows, parent in levels:
+        model = type(rows[0])
+        columns = _tree_columns(model, parent)
+        params.extend([field.get_db_prep_save(field.pre_save(row, True), conn) for row in rows] for field in columns)
+        if parent is not None:
+            params.append([previous[id(getattr(row, parent))] for row in rows])
+        previous = {id(row): position for position, row in enumerate(rows, start=1)}
+    with hot_cursor() as cursor:
+        cursor.execute(_insert_tree_sql(shape), params)
+        keys = cursor.fetchall()
+    by_level: dict[int, list[int]] = {}
+    for level, key in keys:
+        by_level.setdefault(level, []).append(key)
+    for index, (rows, parent) in enumerate(levels):
+        new_keys = sorted(by_level.get(index, []))
+        if len(new_keys) != len(rows):
+            raise RuntimeError(f"insert_tree: {len(rows)} rows of level {index} given, {len(new_keys)} inserted")
+        for row, key in zip(rows, new_keys):
+            row.pk = key
+            row._state.adding, row._state.db = False, conn.alias
+            if parent is not None:
+                setattr(row, parent, getattr(row, parent))  # sets the foreign key's column from the parent
+
+
+def _tree_columns(model, parent: str | None) -> list:
+    """The fields ``insert_tree`` writes from arrays: every concrete field but the key and the parent's."""
+    skip = model._meta.get_field(parent).attname if parent else None
+    return [field for field in model._meta.concrete_fields if not field.primary_key and field.attname != skip]
+
+
+@per_vendor
+def _insert_tree_sql(shape: tuple) -> str:
+    conn = db()
+    qn = conn.ops.quote_name
+    parts, selects = [], []
+    for index, (model, parent) in enumerate(shape):
+        columns = _tree_columns(model, parent)
+        names = [qn(field.column) for field in columns]
+        arrays = [f"%s::{field.cast_db_type(conn)}[]" for field in columns]
+        aliases = [f"c{n}" for n in range(len(columns))]
+        if parent is None:
+            source = (f"SELECT {', '.join(f'u.{a}' for a in aliases)} FROM unnest({', '.join(arrays)})"
+                      f" WITH ORDINALITY AS u({', '.join(aliases)}, o) ORDER BY u.o")
+            target = ", ".join(names)
+        else:
+            source = (f"SELECT {', '.join(f'u.{a}' for a in aliases)}, p.id FROM unnest({', '.join(arrays)}, %s::int[])"
+                      f" WITH ORDINALITY AS u({', '.join(aliases)}, parent, o) JOIN n{index - 1} p ON p.n = u.parent"
+                      " ORDER BY u.o")
+            target = ", ".join([*names, qn(model._meta.get_field(parent).column)])
+        parts.append(f"i{index} AS (INSERT INTO {qn(model._meta.db_table)} ({target}) {source}"
+                     f" RETURNING {qn(model._meta.pk.column)} AS id)")
+        if index < len(shape) - 1:
+            parts.append(f"n{index} AS (SELECT id, ROW_NUMBER() OVER (ORDER BY id) AS n FROM i{index})")
+        selects.append(f"SELECT {index}, id FROM i{index}")
+    return f"WITH {', '.join(parts)} {' UNION ALL '.join(selects)}"

@@ -14,7 +14,7 @@ from core.errors import ValidationFailed
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, events_record, transition_log
-from core.sql import hot_cursor, per_vendor
+from core.sql import hot_cursor, insert_tree, per_vendor
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
@@ -217,10 +217,10 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
                                 not_before=not_before, actor=actor) for payload, _ in valid]
     with transaction.atomic(savepoint=not dedupe_checked):  # dedupe_checked: the caller's transaction fails with it
         deduped = definition.dedupe.mode != "none"
-        jobs = Job.objects.bulk_create([
-            _new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
-                     if deduped else None, run_id=run_id, priority=priority, not_before=not_before)
-            for payload, lane in valid])
+        jobs = [_new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
+                         if deduped else None, run_id=run_id, priority=priority, not_before=not_before)
+                for payload, lane in valid]
+        insert_tree([(jobs, None)])  # one prepared statement whatever the number of jobs
         for job in jobs:
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,
                            **{"from": JobState.RECEIVED, "to": JobState.QUEUED}, reason="enqueued")

@@ -19,7 +19,7 @@ from core.errors import (
 from core.models import Project
 from core.fsm import save_moved_together
 from core.services import audit_record, row_lock, transition_log
-from core.sql import ModelRows, hot_cursor, per_vendor
+from core.sql import ModelRows, hot_cursor, insert_tree, per_vendor
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -554,24 +554,25 @@ def _spawn_hierarchy(run: Run) -> int:
 
 
 def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0, keep_tree: bool = False) -> int:
-    """One INSERT per level: the agents, then their tasks, then their steps. ``keep_tree``: they
+    """The agents, their tasks and their steps in one statement (``insert_tree``; one INSERT per level
+    where a statement cannot insert into several tables). ``keep_tree``: they
     are the whole tree of the attempt, kept as the run's tree for the rest of the transaction."""
     _run_tree_forget(run)
-    agents = Agent.objects.bulk_create([
+    agents = [
         Agent(run=run, attempt_number=run.attempt_number, name=agent_spec["name"], sequence=a_seq,
               failure_mode=agent_spec.get("failure_mode", FailureMode.FAIL_FAST),
               parallelism_mode=agent_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL))
         for a_seq, agent_spec in enumerate(agent_specs, start=first_sequence)
-    ])
+    ]
     specs = [(agent, task_spec) for agent, agent_spec in zip(agents, agent_specs) for task_spec in agent_spec["tasks"]]
-    tasks = Task.objects.bulk_create([
+    tasks = [
         Task(run=run, agent=agent, name=task_spec["name"], sequence=t_seq,
              failure_mode=task_spec.get("failure_mode", FailureMode.FAIL_FAST),
              parallelism_mode=task_spec.get("parallelism_mode", ParallelismMode.SEQUENTIAL),
              depends_on=list(task_spec.get("depends_on") or []))
         for agent, agent_spec in zip(agents, agent_specs) for t_seq, task_spec in enumerate(agent_spec["tasks"])
-    ])
-    steps = Step.objects.bulk_create([
+    ]
+    steps = [
         Step(run=run, task=task, name=step_spec["name"], sequence=s_seq,
              kind=step_spec.get("kind", Step.Kind.TOOL), tool=step_spec.get("tool", ""),
              args={**step_spec.get("args", {}),
@@ -579,7 +580,8 @@ def _spawn_agents(run: Run, agent_specs: list[dict], *, first_sequence: int = 0,
                    **({"gate": step_spec["gate"]} if "gate" in step_spec else {})},
              max_tries=MAX_RETRIES_PER_LEVEL if step_spec.get("kind", "tool") == "tool" else 1)
         for task, (_, task_spec) in zip(tasks, specs) for s_seq, step_spec in enumerate(task_spec["steps"])
-    ])
+    ]
+    insert_tree([(agents, None), (tasks, "agent"), (steps, "task")])
     scope = run_atomic_scope()
     if keep_tree and scope is not None and all(step.pk is not None for step in steps):
         tree = RunTree(run, steps=steps)
