@@ -134,7 +134,7 @@ def test_outside_a_batch_an_event_is_written_at_once():
 def test_a_node_write_refuses_a_copy_whose_state_moved_since_it_was_read(project):
     from django_fsm import ConcurrentTransition
 
-    from runs.models import Step
+    from runs.models import Agent, Step
 
     run = running(project, "copies", steps=1)
     first, second = Step.objects.get(run=run), Step.objects.get(run=run)
@@ -213,3 +213,28 @@ def test_nodes_saved_with_a_new_row_insert_it_and_a_refused_move_takes_it_back(p
     with pytest.raises(ConcurrentTransition), transaction.atomic():
         save_moved_together([(stale, stale.MOVING_FIELDS)], insert=late)
     assert list(StepAttempt.objects.filter(step=step).values_list("number", flat=True)) == [1]
+
+
+def test_an_uneven_plan_spawns_each_step_under_its_own_task_and_each_task_under_its_own_agent(project):
+    """The tree is inserted level by level in one statement (PostgreSQL), each row matched to its
+    parent by position: agents with different numbers of tasks, tasks with different numbers of steps."""
+    from runs.models import Agent, Step
+
+    shape = {"solo": {"only": 1}, "wide": {"first": 3, "second": 1, "third": 2}, "short": {"one": 2}}
+    plan = {"agents": [{"name": agent, "tasks": [
+        {"name": task, "steps": [{"name": f"{task}-{n}", "tool": "echo", "args": {"text": f"{task}-{n}"}} for n in range(count)]}
+        for task, count in tasks.items()]} for agent, tasks in shape.items()]}
+    run = services.run_create(project=project, name="uneven", plan=plan, credit_limit=100)
+    services.run_start(run_id=run.pk)
+    services.run_mark_running(run_id=run.pk)
+    steps = Step.objects.filter(run=run).select_related("task__agent").order_by("id")
+    spawned = {}
+    for step in steps:
+        assert step.name.startswith(f"{step.task.name}-") and step.args == {"text": step.name}
+        assert step.run_id == step.task.run_id == step.task.agent.run_id == run.pk
+        spawned.setdefault(step.task.agent.name, {}).setdefault(step.task.name, []).append(step.sequence)
+    assert spawned == {agent: {task: list(range(count)) for task, count in tasks.items()}
+                       for agent, tasks in shape.items()}
+    assert [agent.sequence for agent in Agent.objects.filter(run=run).order_by("id")] == [0, 1, 2]
+    assert [step.pk for step in services.runnable_steps(Run.objects.get(pk=run.pk))] == [
+        step.pk for step in steps if step.sequence == 0 and step.task.sequence == 0]
