@@ -180,6 +180,9 @@ class Job(ConcurrentTransitions, models.Model):
             models.Index(fields=["project", "id"], name="job_project_id_idx"),
             # Jobs whose counts are not in the metrics base yet: what a scrape derives its counters from.
             models.Index(fields=["id"], name="job_uncounted_idx", condition=models.Q(counted=False)),
+            # The executing jobs of a run: the claim's probe of a run's busy state (``spread_runs``),
+            # whatever the number of jobs the run has had.
+            models.Index(fields=["run_id"], name="job_executing_run_idx", condition=models.Q(state="executing")),
             # Active jobs with a deadline: the maintenance probe and the deadline sweep.
             models.Index(fields=["deadline_at"], name="job_active_deadline_idx",
                          condition=models.Q(deadline_at__isnull=False) & models.Q(
