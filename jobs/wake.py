@@ -33,20 +33,36 @@ _last_wake = 0.0
 _deferred: threading.Timer | None = None  # the message that ends the current window, if asked for
 
 
+# This process's broker client (django-q2's ``get_broker`` builds a new one, with a new Redis
+# connection, on every call): built on the first message, dropped after a failed send and in a
+# forked child (a connection is never shared across a fork).
+_broker: dict[str, object] = {"client": None}
+
+
 def _after_fork_in_child() -> None:
     global _lock, _deferred
     _lock = threading.Lock()
     _deferred = None  # the parent's timer thread does not exist here
+    _broker["client"] = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _send(count: int) -> None:
+    from django_q.brokers import get_broker
     from django_q.tasks import async_task
 
-    for _ in range(count):
-        async_task("jobs.tasks.drain", save=False, ack_failure=True)
+    with _lock:
+        if _broker["client"] is None:
+            _broker["client"] = get_broker()
+        broker = _broker["client"]
+    try:
+        for _ in range(count):
+            async_task("jobs.tasks.drain", save=False, ack_failure=True, broker=broker)
+    except Exception:
+        _broker["client"] = None  # the next message builds a new client
+        raise
 
 
 def wake_workers(count: int = 1, *, force: bool = False) -> int:

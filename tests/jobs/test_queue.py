@@ -23,6 +23,7 @@ from jobs.services import (
     jobs_enforce_interrupt_timeouts,
     jobs_recover_expired,
 )
+from jobs.wake import _send as REAL_SEND  # the real sender, kept before any fixture replaces it
 
 LATER = timedelta(hours=1)
 
@@ -498,3 +499,35 @@ def test_every_reason_code_is_reached_by_a_test():
     sources = "".join(path.read_text() for path in pathlib.Path(__file__).parent.glob("test_*.py"))
     unreached = [reason.name for reason in JobReason if reason.value and f"JobReason.{reason.name}" not in sources]
     assert unreached == []
+
+
+def test_wake_messages_go_through_one_broker_client_per_process_rebuilt_after_a_failure_or_a_fork(monkeypatch):
+    """django-q2's ``get_broker`` opens a new client (a new Redis connection) per call: the wake
+    messages of a process share one, built again after a failed send and in a forked child."""
+    from jobs import wake
+
+    monkeypatch.setattr("jobs.wake._send", REAL_SEND)  # this module's fixture replaces it
+    clients = []
+
+    class Broker:
+        list_key = "test"
+
+        def __init__(self):
+            self.sent, self.fail = [], False
+            clients.append(self)
+
+        def enqueue(self, task):
+            if self.fail:
+                raise ConnectionError("broker down")
+            self.sent.append(task)
+            return "id"
+
+    monkeypatch.setattr("django_q.brokers.get_broker", lambda list_key=None: Broker())
+    monkeypatch.setitem(wake._broker, "client", None)
+    assert wake.wake_workers(3, force=True) == 3 and wake.wake_workers(2, force=True) == 2
+    assert len(clients) == 1 and len(clients[0].sent) == 5
+    clients[0].fail = True
+    assert wake.wake_workers(1, force=True) == 0  # logged; the maintenance pump sends it again
+    assert wake.wake_workers(1, force=True) == 1 and len(clients) == 2 and len(clients[1].sent) == 1
+    wake._after_fork_in_child()
+    assert wake.wake_workers(1, force=True) == 1 and len(clients) == 3
