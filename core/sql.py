@@ -240,10 +240,7 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
         return
     conn = db()
     if conn.vendor != "postgresql":
-        for rows, parent in levels:
-            if parent is not None:
-                for row in rows:  # the parent's key, now known
-                    setattr(row, parent, getattr(row, parent))
+        for rows, _ in levels:  # bulk_create takes each parent's key, known by then
             type(rows[0]).objects.bulk_create(rows)
         return
     shape = tuple((type(rows[0]), parent) for rows, parent in levels)

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db.models import Count, Min, Q, Subquery
 from django.utils import timezone
 
-from core.sql import subqueries_row
+from core.sql import db, hot_cursor, per_vendor, subqueries_row
 from core.timefmt import isoformat_or_none
 from jobs.models import (
     ACTIVE_JOB_STATES,
@@ -379,3 +379,24 @@ def maintenance_due(now) -> dict[str, bool]:
         "waiting": Job.objects.filter(state__in=sorted(WAITING_JOB_STATES)),
     }
     return {name: bool(value) for name, value in subqueries_row(probes, wrap="EXISTS ({})", limit=1).items()}
+
+
+def jobs_active_dedupe_keys(keys: list[str]) -> set[str]:
+    """Of ``keys`` (``<type>:<dedupe key>``), those an active job holds: one prepared statement (an
+    array parameter on PostgreSQL), for callers that look up many keys on a hot path."""
+    if not keys:
+        return set()
+    postgres = db().vendor == "postgresql"
+    with hot_cursor() as cursor:
+        cursor.execute(_active_keys_sql(1 if postgres else len(keys)), [list(keys)] if postgres else list(keys))
+        return {key for (key,) in cursor.fetchall()}
+
+
+@per_vendor
+def _active_keys_sql(count: int) -> str:
+    """The active dedupe keys among a list (an array parameter on PostgreSQL, else ``count`` parameters)."""
+    conn = db()
+    qn = conn.ops.quote_name
+    column = qn(Job._meta.get_field("active_dedupe_key").column)
+    wanted = "= ANY(%s::text[])" if conn.vendor == "postgresql" else f"IN ({', '.join(['%s'] * count)})"
+    return f"SELECT j.{column} FROM {qn(Job._meta.db_table)} j WHERE j.{column} {wanted}"

@@ -15,8 +15,8 @@ from django.db.models.functions import Coalesce
 from django.db.models.lookups import GreaterThanOrEqual, IsNull, LessThan
 from django.utils import timezone
 
-from core.sql import db, hot_cursor, per_vendor
 from jobs.models import Job, JobState
+from jobs.selectors import jobs_active_dedupe_keys
 from runs.models import Agent, EscalationTicket, GateReceipt, Run, RunAttempt, Step, StepAttempt, Task
 
 
@@ -122,20 +122,7 @@ def run_step_jobs_queued(rounds: list[tuple[int, int]]) -> set[tuple[int, int]]:
     if not rounds:
         return set()
     keys = {f"run_step:{step}:{round_}": (step, round_) for step, round_ in rounds}
-    postgres = db().vendor == "postgresql"
-    with hot_cursor() as cursor:  # one prepared statement (an array of keys on PostgreSQL)
-        cursor.execute(_active_keys_sql(1 if postgres else len(keys)), [list(keys)] if postgres else list(keys))
-        return {keys[key] for (key,) in cursor.fetchall()}
-
-
-@per_vendor
-def _active_keys_sql(count: int) -> str:
-    """The active dedupe keys among a list (an array parameter on PostgreSQL, else ``count`` parameters)."""
-    conn = db()
-    qn = conn.ops.quote_name
-    column = qn(Job._meta.get_field("active_dedupe_key").column)
-    wanted = "= ANY(%s::text[])" if conn.vendor == "postgresql" else f"IN ({', '.join(['%s'] * count)})"
-    return f"SELECT j.{column} FROM {qn(Job._meta.db_table)} j WHERE j.{column} {wanted}"
+    return {keys[key] for key in jobs_active_dedupe_keys(list(keys))}
 
 
 def run_current_attempt(run: Run) -> RunAttempt | None:
