@@ -209,8 +209,10 @@ def micros_between_sql(start: str, end: str) -> str:
         # An interval's epoch as a double is exact to the microsecond for any span under 285 years.
         return f"round(date_part('epoch', {end} - {start}) * 1000000)::bigint"
 
-    def micros(column):  # SQLite keeps 'YYYY-MM-DD HH:MM:SS[.ffffff]' (UTC): seconds, then the fraction
-        return (f"(CAST(strftime('%%s', {column}) AS INTEGER) * 1000000 + CASE WHEN length({column}) > 19 "
+    def micros(column):  # SQLite keeps 'YYYY-MM-DD HH:MM:SS[.ffffff]' (UTC): seconds, then the fraction.
+        # The seconds from the first 19 characters only: strftime reads a fraction to the millisecond
+        # and rounds, so '...:01.9996' would count as second 2 (a duration one second off).
+        return (f"(CAST(strftime('%%s', substr({column}, 1, 19)) AS INTEGER) * 1000000 + CASE WHEN length({column}) > 19 "
                 f"THEN CAST(substr({column} || '000000', 21, 6) AS INTEGER) ELSE 0 END)")
 
     return f"({micros(end)} - {micros(start)})"

@@ -266,3 +266,22 @@ def test_another_process_scrapes_the_same_counters(project):
     assert counters(there) == here
     assert value(here, "orchestrator_job_completions_total", type="noop", reason="completed") == 4
     assert value(here, "orchestrator_job_attempts_total", type="noop") == 4
+
+
+def test_a_duration_in_sql_is_exact_when_a_second_ends_in_a_fraction_the_database_would_round(db):
+    """SQLite reads fractional seconds to the millisecond and rounds: ``...:02.9998`` must stay in
+    second 2, or a job's run time is counted one second long."""
+    from datetime import datetime, timedelta, timezone as tz
+
+    from django.db import connection
+
+    from core.metrics import micros_between, micros_between_sql
+
+    start = datetime(2026, 1, 1, 0, 0, 1, 996780, tzinfo=tz.utc)
+    for end in (start + timedelta(microseconds=3220), datetime(2026, 1, 1, 0, 0, 2, 999800, tzinfo=tz.utc),
+                datetime(2026, 1, 1, 0, 0, 3, tzinfo=tz.utc)):
+        adapt = connection.ops.adapt_datetimefield_value
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT {micros_between_sql('t.s', 't.e')} FROM (SELECT %s AS s, %s AS e) t",
+                           [adapt(start), adapt(end)])
+            assert cursor.fetchone()[0] == micros_between(start, end)
