@@ -21,6 +21,7 @@ from billing.events import ledger_event
 from billing.models import CreditAccount, LedgerEntry
 from core.errors import NotFound, ValidationFailed
 from core.events import ORGANIZATION_CREATED
+from core.fsm import moves_may_wait
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from core.sql import ModelRows, hot_cursor, per_vendor
@@ -329,8 +330,9 @@ def ledger_run_entries(*, organization_id: int, entries: list[RunEntry]) -> list
     and nothing of its own.
 
     In the caller's transaction when there is one (no savepoint: a refusal raises before anything
-    of its own is written, so the caller may catch it and go on), else in its own."""
-    with transaction.atomic() if not connection.in_atomic_block else nullcontext():
+    of its own is written, so the caller may catch it and go on), else in its own. It touches the
+    billing tables only: row moves a run service keeps (``core.fsm.moves_put_off``) wait past it."""
+    with transaction.atomic() if not connection.in_atomic_block else nullcontext(), moves_may_wait():
         account, found = _account_locked_with_keys(organization_id, [entry for entry in entries if not entry.new])
         results: list[LedgerResult | int] = []
         appended: list[tuple[RunEntry, LedgerEntry, int, int]] = []

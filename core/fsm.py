@@ -10,7 +10,9 @@ fields, or has conditions, keeps the decorator and its body (``Run.retry``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from django.db import connection
@@ -30,33 +32,63 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
     def state_fields(self):
         return _state_fields_of(type(self))
 
+    def save(self, *args, **kwargs):
+        if getattr(_put_off, "rows", None):  # its own statement is built from the states it was read in
+            moves_flush()
+        super().save(*args, **kwargs)
+
     def save_moved(self, fields: tuple[str, ...]) -> None:
         """``save(update_fields=fields)`` of a row whose state moved, as one prepared ``UPDATE``
         (built once per model and fields): written only while its state fields still hold what
         was read (``ConcurrentTransition`` otherwise, as ``save`` raises). No ``pre_save`` or
         ``post_save`` signal is sent, and ``auto_now`` fields are not touched: for models that
-        need neither (the run's nodes)."""
+        need neither (the run's nodes). Inside ``moves_put_off()`` the row is written with the
+        next statement instead."""
+        if not _put_off_add([(self, fields)]):
+            self._save_moved_now(fields)
+
+    def _save_moved_now(self, fields: tuple[str, ...]) -> None:
         sql, _ = _moved_update_sql(type(self), fields)
         with hot_cursor() as cursor:
             cursor.execute(sql, _moved_params(self, fields))
             updated = cursor.rowcount
-        if updated != 1:
-            raise _moved_conflict(self)
-        self._update_initial_state()
+        moves_written([(self, fields)], [updated])
 
 
-def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any = None) -> None:
+def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any = None,
+                        put_off: bool = False, carry: tuple[str, list] | None = None) -> None:
     """``save_moved`` of several rows (``(row, fields)``, of any models; a row of a model without state
     fields is written by its primary key alone): on PostgreSQL one prepared statement (each row's
     ``UPDATE`` in a ``WITH``, built once per models and fields), else one each.
     ``ConcurrentTransition`` when a row's state changed since it was read, or it is gone, as
     ``save_moved`` raises (the others may be written: the caller's transaction fails with it).
     ``insert``: a new row inserted with them (``core.sql.insert_returning``; the statement's last
-    part on PostgreSQL), which gets its primary key."""
+    part on PostgreSQL), which gets its primary key. Inside ``moves_put_off()`` the rows put off
+    so far are written in the same statement, and ``put_off=True`` (without ``insert``) puts
+    these off too. ``carry`` (PostgreSQL, with ``insert``): another part of the ``WITH`` (``name AS
+    (...)``, a write of the caller's) and its parameters, written by the same statement."""
+    if _put_off_rows() is not None:
+        if put_off and insert is None:
+            _put_off_add(moves)
+            return
+        moves = _merged(moves_take(), moves)
+    _write_together(moves, insert, carry)
+
+
+def _write_together(moves: list[tuple[Any, tuple[str, ...]]], insert: Any = None,
+                    carry: tuple[str, list] | None = None) -> None:
+    if not moves and insert is None:
+        return
+    if carry is not None and insert is not None and db().vendor == "postgresql":
+        with_sql, params = moves_statement(moves) if moves else ("WITH", [])
+        counts = insert_returning(insert, moves_counts_sql(len(moves)) if moves else "", [*params, *carry[1]],
+                                  with_=f"{with_sql}{', ' if moves else ' '}{carry[0]}")
+        moves_written(moves, counts or [])
+        return
     if db().vendor != "postgresql" or len(moves) + (insert is not None) < 2:
         for row, fields in moves:
             if isinstance(row, ConcurrentTransitions):
-                row.save_moved(fields)
+                row._save_moved_now(fields)
                 continue
             sql, _ = _moved_update_sql(type(row), fields)
             with hot_cursor() as cursor:
@@ -75,12 +107,146 @@ def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any
     else:
         counts = insert_returning(insert, f"ARRAY[{_moved_counts_sql(len(moves))}]", params,
                                   with_=_moved_with_sql(shape))
+    moves_written(moves, counts)
+
+
+def moves_statement(moves: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, list]:
+    """The ``WITH`` that writes ``moves`` (one ``UPDATE`` each, named ``m0``, ``m1``, ...; built once
+    per models and fields) and its parameters, for a statement of the caller's own that writes
+    them with its own part (and reads their row counts, ``moves_counts_sql``)."""
+    shape = tuple((type(row), fields) for row, fields in moves)
+    return _moved_with_sql(shape), [param for row, fields in moves for param in _moved_params(row, fields)]
+
+
+def moves_counts_sql(count: int) -> str:
+    """The row counts of ``moves_statement``'s updates: an SQL array, in the order of the moves."""
+    return f"ARRAY[{_moved_counts_sql(count)}]"
+
+
+def moves_written(moves: list[tuple[Any, tuple[str, ...]]], counts) -> None:
+    """After a statement wrote ``moves`` (``counts``: each one's row count): ``ConcurrentTransition``
+    for a row that did not move; the rows' states are now the ones written."""
     for (row, _), count in zip(moves, counts, strict=True):
         if count != 1:
             raise _moved_conflict(row)
-    for row, _ in moves:
-        if isinstance(row, ConcurrentTransitions):
-            row._update_initial_state()
+    for row, fields in moves:
+        if isinstance(row, ConcurrentTransitions):  # the states written (a row kept may have moved on since)
+            initial = row._ConcurrentTransitionMixin__initial_states
+            for field in _state_fields_of(type(row)):
+                if field.name in fields or field.attname in fields:
+                    initial[field.attname] = getattr(row, field.attname)
+
+
+# Rows whose moves wait for the connection's next statement (``moves_put_off``): a list of
+# ``[row, fields]`` in the order they were first put off, or None outside the block.
+_put_off = threading.local()
+
+
+def _put_off_rows() -> list | None:
+    return getattr(_put_off, "rows", None)
+
+
+@contextmanager
+def moves_put_off() -> Iterator[None]:
+    """Inside (on PostgreSQL; elsewhere nothing changes): a row's ``save_moved`` (and
+    ``save_moved_together(put_off=True)``) is not written at once but kept, and written with the
+    next statement the connection runs: in that statement where it knows how
+    (``save_moved_together``, or a caller of ``moves_take``), else in one statement of its own just
+    before it (an execute wrapper, so no read or write in between sees the rows as they were).
+    Moving a kept row again updates what is kept (one ``UPDATE`` per row, guarded by the states it
+    was read in). A ``ROLLBACK TO SAVEPOINT`` drops the kept rows (a savepoint's creation wrote the
+    ones before it); leaving the block writes what is left, or drops it when an exception leaves.
+    ``ConcurrentTransition`` comes from the statement that writes the row."""
+    conn = db()
+    if conn.vendor != "postgresql" or _put_off_rows() is not None:
+        yield
+        return
+    _put_off.rows = []
+    try:
+        with conn.execute_wrapper(_write_kept_first):
+            yield
+            moves_flush()
+    finally:
+        _put_off.rows = None
+
+
+@contextmanager
+def moves_may_wait() -> Iterator[None]:
+    """Around statements that read and write none of the tables of the rows ``moves_put_off`` keeps
+    (the ledger's, say): the kept rows wait for a later statement instead of going before them."""
+    before = getattr(_put_off, "waiting", False)
+    _put_off.waiting = True
+    try:
+        yield
+    finally:
+        _put_off.waiting = before
+
+
+def moves_take() -> list[tuple[Any, tuple[str, ...]]]:
+    """The rows kept by ``moves_put_off`` (``(row, fields)``), taken out: the caller writes them now."""
+    rows = _put_off_rows()
+    if not rows:
+        return []
+    taken = [(row, fields) for row, fields in rows]
+    rows.clear()
+    return taken
+
+
+def moves_flush() -> None:
+    """Write the kept rows now (one statement)."""
+    _write_together(moves_take())
+
+
+def _put_off_add(moves) -> bool:
+    """Keep ``moves`` (False outside ``moves_put_off``): a row already kept gets the fields added; a
+    row kept through another object (the same table row) is written first."""
+    rows = _put_off_rows()
+    if rows is None:
+        return False
+    for row, fields in moves:
+        for entry in rows:
+            if entry[0] is row:
+                entry[1] = entry[1] + tuple(name for name in fields if name not in entry[1])
+                break
+            if type(entry[0]) is type(row) and entry[0].pk == row.pk:
+                moves_flush()
+                rows.append([row, tuple(fields)])
+                break
+        else:
+            rows.append([row, tuple(fields)])
+    return True
+
+
+def _merged(kept, moves) -> list[tuple[Any, tuple[str, ...]]]:
+    """The kept rows then ``moves``, one entry per object; a table row kept through another object
+    than the one in ``moves`` is written at once (one statement cannot update a row twice)."""
+    merged = [[row, fields] for row, fields in kept]
+    for row, fields in moves:
+        for entry in merged:
+            if entry[0] is row:
+                entry[1] = entry[1] + tuple(name for name in fields if name not in entry[1])
+                break
+            if type(entry[0]) is type(row) and entry[0].pk == row.pk:
+                _write_together([(r, f) for r, f in merged])
+                merged = [[row, tuple(fields)]]
+                break
+        else:
+            merged.append([row, tuple(fields)])
+    return [(row, fields) for row, fields in merged]
+
+
+def _write_kept_first(execute, sql, params, many, context):
+    """The execute wrapper of ``moves_put_off``: the kept rows go before any other statement (but
+    those ``moves_may_wait`` lets by); a savepoint's creation writes them, a rollback to a savepoint
+    drops them (kept after it)."""
+    rows = _put_off_rows()
+    if rows:
+        text = sql if isinstance(sql, str) else ""
+        if text.startswith("ROLLBACK"):
+            rows.clear()
+        elif text.startswith("SAVEPOINT") or not getattr(_put_off, "waiting", False):
+            moves_flush()
+    return execute(sql, params, many, context)
 
 
 def _moved_params(row, fields: tuple[str, ...]) -> list:

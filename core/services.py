@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from core.errors import NotFound, ValidationFailed
 from core.events import PROJECT_CREATED
+from core.fsm import moves_counts_sql, moves_statement, moves_take, moves_written
 from core.models import AuditRecord, Event, Organization, Project
-from core.sql import hot_cursor
+from core.sql import hot_cursor, per_vendor
 from core.tracing import tracing_trace_id
 
 logger = logging.getLogger("orchestrator.transitions")
@@ -42,7 +43,8 @@ def events_record(rows: list[dict[str, Any]]) -> list[int]:
     """Write several outbox events in one statement, in the caller's transaction, in the order
     given (their ids increase in that order); returns their ids. Each row takes ``event_record``'s
     keyword arguments. On PostgreSQL the rows travel as one JSON document through a statement
-    prepared once per connection (``hot_cursor``): no model instance, no SQL built per call."""
+    prepared once per connection (``hot_cursor``): no model instance, no SQL built per call; the
+    row moves ``core.fsm.moves_put_off`` kept are written by the same statement."""
     if not rows:
         return []
     if connection.vendor != "postgresql":
@@ -53,9 +55,17 @@ def events_record(rows: list[dict[str, Any]]) -> list[int]:
         ])]
     document = json.dumps([[row["type"], row.get("organization_id"), row.get("project_id"), row.get("run_id"),
                             row.get("payload") or {}] for row in rows], separators=(",", ":"))
+    params = [connection.ops.adapt_datetimefield_value(timezone.now()), document]
+    moves = moves_take()
     with hot_cursor() as cursor:
-        cursor.execute(_EVENTS_INSERT, [connection.ops.adapt_datetimefield_value(timezone.now()), document])
-        return [row[0] for row in cursor.fetchall()]
+        if not moves:
+            cursor.execute(_EVENTS_INSERT, params)
+            return [row[0] for row in cursor.fetchall()]
+        with_sql, with_params = moves_statement(moves)
+        cursor.execute(_events_insert_with_sql(with_sql, len(moves)), [*with_params, *params])
+        inserted = cursor.fetchall()
+    moves_written(moves, inserted[0][1])
+    return [row[0] for row in inserted]
 
 
 # One row per element of a JSON array of [type, organization_id, project_id, run_id, payload],
@@ -65,6 +75,20 @@ _EVENTS_INSERT = (
     " SELECT e.value->>0, (e.value->>1)::bigint, (e.value->>2)::bigint, (e.value->>3)::bigint, e.value->4, %s::timestamptz"
     " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS e(value, n) ORDER BY e.n RETURNING id"
 )
+
+
+def events_statement(rows: list[dict[str, Any]], name: str = "ev") -> tuple[str, list]:
+    """``events_record``'s INSERT of ``rows`` as a part of a ``WITH`` (``name AS (...)``) and its
+    parameters (PostgreSQL): for a write of the caller's that records them in the same statement."""
+    document = json.dumps([[row["type"], row.get("organization_id"), row.get("project_id"), row.get("run_id"),
+                            row.get("payload") or {}] for row in rows], separators=(",", ":"))
+    return f"{name} AS ({_EVENTS_INSERT})", [connection.ops.adapt_datetimefield_value(timezone.now()), document]
+
+
+@per_vendor
+def _events_insert_with_sql(with_sql: str, moves: int) -> str:
+    """``_EVENTS_INSERT`` after a ``WITH`` of row moves, returning their row counts on every row."""
+    return f"{with_sql} {_EVENTS_INSERT}, {moves_counts_sql(moves)}"
 
 
 # Keys every transition line carries (None when they do not apply), and the names call sites

@@ -19,6 +19,10 @@ before the rows are written (or before ``run_deferred_flush()``: another write o
 the transaction first, or ``run_deferred_take()``: the caller makes them with a write of its own),
 so the shared lock is held for the end of the transaction only; its event keeps the place it was
 asked for in the batch (a slot the write fills).
+
+Inside ``run_atomic()`` on PostgreSQL the nodes' and the run's moves wait for the next statement
+(``core.fsm.moves_put_off``): a cascade's moves (the step, its task, its agent, the run and its
+attempt) are written together, with the next step's begin or with the batch's events.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from typing import Any, Iterator
 
 from django.db import transaction
 
-from core.services import event_record, events_record
+from core.fsm import moves_put_off
+from core.services import event_record, events_record, events_statement
 
 _state = threading.local()
 
@@ -100,6 +105,26 @@ def run_deferred_flush() -> None:
             write()
 
 
+def run_events_carried() -> tuple[str, list] | None:
+    """The batch's rows so far (up to its first put-off write, whose event must come first), taken
+    out as a part of a ``WITH`` and its parameters (``core.services.events_statement``), for a write
+    of the caller's that records them in its own statement (PostgreSQL); None when there are none
+    or outside a batch."""
+    rows = _pending()
+    if not rows:
+        return None
+    count = 0
+    for row in rows:
+        if callable(row) or not row:
+            break
+        count += 1
+    if not count:
+        return None
+    carried = rows[:count]
+    del rows[:count]
+    return events_statement(carried)
+
+
 def run_events_flush() -> None:
     """Write the batch's rows now (in order), e.g. before another app writes events of its own;
     its put-off writes first."""
@@ -131,7 +156,7 @@ def run_atomic(*, savepoint: bool = True) -> Iterator[None]:
                 _state.scope = object()  # and what was read under the old token may be stale
                 raise
         return
-    with transaction.atomic(savepoint=savepoint):
+    with transaction.atomic(savepoint=savepoint), moves_put_off():
         _state.rows, _state.scope = [], object()
         try:
             yield

@@ -36,7 +36,7 @@ from runs.models import (
     StepAttempt,
     Task,
 )
-from runs.outbox import run_atomic_scope, run_event_record
+from runs.outbox import run_atomic_scope, run_event_record, run_events_carried
 from runs.pipeline import bookkeeping
 
 # Called after commit with a run id whenever a run needs a worker (start, resume, retry).
@@ -369,7 +369,7 @@ def _record_run_change(run: Run, *, before: dict, action: str, actor=None, reaso
                 expires_at=now + timedelta(days=settings.ORCHESTRATOR_ARTIFACT_TTL_DAYS))
     if not created and not moved and with_rows:
         run.updated_at = now  # as save's auto_now
-        save_moved_together([*with_rows, (run, _RUN_SAVED)])
+        save_moved_together([*with_rows, (run, _RUN_SAVED)], put_off=True)
     elif not created and not moved:
         run.save()
     bookkeeping.pipeline_clock(run, before_status=before["status"])
@@ -490,8 +490,10 @@ def _node_move(node, action: str, *, run: Run, error: tuple[str, str] | None = N
 
 def _nodes_saved(nodes: list, *, insert=None) -> None:
     """Save nodes moved by ``_node_move(..., save=False)`` (of different levels) together, with a new
-    row ``insert`` (``core.fsm.save_moved_together``)."""
-    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes], insert=insert)
+    row ``insert`` (``core.fsm.save_moved_together``); on PostgreSQL the batch's events so far are
+    written by the same statement."""
+    carry = run_events_carried() if insert is not None and connection.vendor == "postgresql" else None
+    save_moved_together([(node, node.MOVING_FIELDS) for node in nodes], insert=insert, carry=carry)
 
 
 def _nodes_move(nodes, action: str, *, run: Run, values: dict[str, Any] | None = None) -> None:

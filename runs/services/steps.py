@@ -282,7 +282,7 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     run.last_heartbeat = run.updated_at = now
     charged = [(run_attempt, ("credits_charged",))] if cost else []
     run_figures = [(run, ("credits_charged", "last_heartbeat", "updated_at"))]
-    save_moved_together([*moves, *charged, *run_figures] if early else moves)
+    save_moved_together([*moves, *charged, *run_figures] if early else moves, put_off=True)
     if run.gated:
         bookkeeping.step_pins_record(run, step)
     status = run.status

@@ -184,8 +184,14 @@ def test_a_step_charge_locks_the_account_last_and_its_event_keeps_its_place(proj
         assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
     statements = [query["sql"] for query in captured.captured_queries]
     account_lock = next(i for i, sql in enumerate(statements) if 'FROM "billing_creditaccount"' in sql)
-    step_write = next(i for i, sql in enumerate(statements) if 'UPDATE "runs_step" SET' in sql)  # or in a WITH
-    assert step_write < account_lock  # the organization's account is locked at the end of the settlement
+    assert any('UPDATE "runs_step" SET' in sql for sql in statements)  # alone, or in a WITH
+    # The organization's account is locked at the end of the settlement: after its lock come only
+    # the ledger's write and the transaction's last write (the events, with the moves kept for it).
+    after = [sql for sql in statements[account_lock + 1:] if sql.strip().upper() != "COMMIT"]
+    assert not any(sql.lstrip().upper().startswith("SELECT") for sql in after)
+    assert all(any(table in sql for table in ("billing_ledgerentry", "billing_creditaccount", "core_event"))
+               for sql in after)
+    assert len(after) <= 3
     written = list(Event.objects.filter(pk__gt=last_event, run_id=run.pk).order_by("id"))
     assert [event.type for event in written][:2] == ["ledger_charge", "step_completed"]
     entry = LedgerEntry.objects.get(run=run, kind="charge", idempotency_key=attempt.idempotency_key)
@@ -238,3 +244,76 @@ def test_an_uneven_plan_spawns_each_step_under_its_own_task_and_each_task_under_
     assert [agent.sequence for agent in Agent.objects.filter(run=run).order_by("id")] == [0, 1, 2]
     assert [step.pk for step in services.runnable_steps(Run.objects.get(pk=run.pk))] == [
         step.pk for step in steps if step.sequence == 0 and step.task.sequence == 0]
+
+
+@pytest.mark.postgres
+def test_moves_kept_for_the_next_statement_are_seen_by_any_read_and_a_stale_one_refuses_at_its_write(project):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+    from django_fsm import ConcurrentTransition
+
+    from core.fsm import moves_put_off
+    from runs.models import Agent, Step, Task
+
+    run = running(project, "kept", steps=1)
+    agent, task, step = Agent.objects.get(run=run), Task.objects.get(run=run), Step.objects.get(run=run)
+    with transaction.atomic(), moves_put_off(), CaptureQueriesContext(connection) as captured:
+        for node in (agent, task, step):
+            node.begin()
+            node.save_moved(node.MOVING_FIELDS)
+        assert captured.captured_queries == []  # kept
+        assert Step.objects.get(pk=step.pk).status == "running"  # a read sees them: written just before it
+        assert len(captured.captured_queries) == 2  # the three moves in one statement, then the read
+        step.complete()
+        step.save_moved(step.MOVING_FIELDS)
+    assert [type(node).objects.get(pk=node.pk).status for node in (agent, task, step)] == [
+        "running", "running", "completed"]
+
+    first, second = Task.objects.get(pk=task.pk), Task.objects.get(pk=task.pk)
+    with pytest.raises(ConcurrentTransition), transaction.atomic(), moves_put_off():
+        first.complete()
+        first.save_moved(first.MOVING_FIELDS)
+        second.fail()  # a stale copy of the same row: the first copy's move is written before it is kept
+        second.save_moved(second.MOVING_FIELDS)
+    assert Task.objects.get(pk=task.pk).status == "running"  # the transaction rolled back with the refusal
+
+
+@pytest.mark.postgres
+def test_a_savepoint_rolled_back_drops_the_moves_kept_inside_it_and_keeps_those_before(project):
+    from core.fsm import moves_put_off
+    from runs.models import Agent, Task
+
+    run = running(project, "savepoint", steps=1)
+    agent, task = Agent.objects.get(run=run), Task.objects.get(run=run)
+    with transaction.atomic(), moves_put_off():
+        agent.begin()
+        agent.save_moved(agent.MOVING_FIELDS)
+        with pytest.raises(RuntimeError), transaction.atomic():  # its creation writes the agent's move
+            task.begin()
+            task.save_moved(task.MOVING_FIELDS)
+            raise RuntimeError("refused")
+    assert Agent.objects.get(pk=agent.pk).status == "running"
+    assert Task.objects.get(pk=task.pk).status == "pending"
+
+
+@pytest.mark.postgres
+def test_a_settlement_that_ends_the_run_writes_every_move_with_its_events_in_one_statement(project):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    run = running(project, "one statement", steps=1)
+    step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
+    attempt = services.step_begin(step_id=step.pk)
+    with CaptureQueriesContext(connection) as captured:
+        assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
+    statements = [query["sql"] for query in captured.captured_queries]
+    tables = ('"runs_stepattempt"', '"runs_step"', '"runs_task"', '"runs_agent"', '"runs_runattempt"', '"runs_run"')
+    moving = [sql for sql in statements if any(f"UPDATE {table} SET" in sql for table in tables)]
+    assert len(moving) == 1 and all(f"UPDATE {table} SET" in moving[0] for table in tables)
+    assert "INSERT INTO core_event" in moving[0]  # the transaction's last write, before the commit
+    assert statements.index(moving[0]) == len(statements) - 2
+    assert Run.objects.get(pk=run.pk).status == Run.Status.COMPLETED
+    events = list(Event.objects.filter(run_id=run.pk).order_by("id").values_list("type", flat=True))
+    assert events[events.index("step_running") + 1:] == [
+        "ledger_charge", "step_completed", "task_completed", "agent_completed", "ledger_refund", "run_completed"]
+    assert invariants_check() == []
