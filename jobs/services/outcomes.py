@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
+from core.fsm import moves_may_wait
 from core.services import audit_record, events_record, row_lock, transition_log
 from core.sql import hot_cursor, per_vendor
 from jobs.events import JOB_STATE_EVENTS
@@ -180,7 +181,7 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     if not savepoint:  # one prepared statement: a chained step retargets its job at every step
         fields = [Job._meta.get_field(name) for name in values]
         params = [field.get_db_prep_save(values[field.name], connection) for field in fields]
-        with hot_cursor() as cursor:
+        with moves_may_wait(), hot_cursor() as cursor:  # the job's row only: a run's kept moves wait
             cursor.execute(_retarget_sql(), [*params, job_id, job_type, attempt, JobState.EXECUTING,
                                              values["active_dedupe_key"]])
             return cursor.rowcount == 1
