@@ -24,7 +24,7 @@ from core.events import ORGANIZATION_CREATED
 from core.fsm import moves_may_wait
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
-from core.sql import ModelRows, hot_cursor, per_vendor
+from core.sql import ModelRows, db, db_values, hot_cursor, per_vendor
 
 
 @dataclass(frozen=True)
@@ -205,9 +205,10 @@ def _entries_save_together(account: CreditAccount, entries: list[LedgerEntry]) -
     """``_entries_save`` on PostgreSQL: the entries' INSERT and the account's UPDATE in one prepared
     statement (a data-modifying ``WITH``), which fails as a whole on a duplicate key."""
     account.updated_at = timezone.now()
-    params = [field.get_db_prep_save(getattr(entry, field.attname), connection)
-              for entry in entries for field in _ENTRY_FIELDS]
-    params += [field.get_db_prep_save(getattr(account, field.attname), connection) for field in _ACCOUNT_SAVED]
+    conn = db()
+    params = [value for entry in entries
+              for value in db_values(_ENTRY_FIELDS, [getattr(entry, field.attname) for field in _ENTRY_FIELDS], conn)]
+    params += db_values(_ACCOUNT_SAVED, [getattr(account, field.attname) for field in _ACCOUNT_SAVED], conn)
     params.append(account.pk)
     with hot_cursor() as cursor:
         cursor.execute(_entries_save_sql(len(entries)), params)

@@ -18,7 +18,7 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import db, hot_cursor, insert_returning, per_vendor
+from core.sql import db, db_values, hot_cursor, insert_returning, per_vendor
 
 _STATE_FIELDS: dict[type, tuple] = {}
 
@@ -254,7 +254,7 @@ def _moved_params(row, fields: tuple[str, ...]) -> list:
     it was read in."""
     _, columns = _moved_update_sql(type(row), fields)
     conn = db()
-    params = [field.get_db_prep_save(getattr(row, field.attname), conn) for field in columns]
+    params = db_values(columns, [getattr(row, field.attname) for field in columns], conn)
     initial = getattr(row, "_ConcurrentTransitionMixin__initial_states", {})
     return params + [row.pk, *(initial[field.attname] for field in _state_fields_of(type(row)))]
 

@@ -4,9 +4,10 @@ and model rows read by statements written once."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db import DEFAULT_DB_ALIAS, connection, connections, models
 from django.db.models import Model, QuerySet
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -17,6 +18,59 @@ def db():
     """This thread's default connection itself, not the ``django.db.connection`` proxy, which looks
     the connection up again on every attribute read: hot paths read it once."""
     return connections[DEFAULT_DB_ALIAS]
+
+
+# Fields whose ``get_db_prep_save`` hands a value of the usual type to the driver as it is, or (an
+# integer on PostgreSQL) wrapped in the driver's type of that column: text, booleans, integers (and
+# a foreign key to an integer key), aware datetimes on PostgreSQL. ``db_values`` skips the call for
+# them and does the same.
+_PLAIN_FIELDS = (models.AutoField, models.BigAutoField, models.SmallAutoField, models.IntegerField,
+                 models.BigIntegerField, models.SmallIntegerField, models.PositiveIntegerField,
+                 models.PositiveBigIntegerField, models.PositiveSmallIntegerField, models.CharField,
+                 models.TextField, models.BooleanField)
+_TEXT_FIELDS = (models.CharField, models.TextField)
+_FIELD_KINDS: dict[tuple, tuple] = {}
+
+
+def _field_kind(field, conn) -> tuple:
+    """``(type, wrap)``: a value of exactly ``type`` goes to the driver as ``wrap(value)`` (as it is
+    when ``wrap`` is None); ``(None, None)``: always through ``get_db_prep_save``."""
+    key = (conn.vendor, field)
+    kind = _FIELD_KINDS.get(key)
+    if kind is None:
+        target = field.target_field if type(field) is models.ForeignKey else field
+        cls = type(target)
+        fsm = type(field).__module__ == "django_fsm" and isinstance(field, models.CharField)
+        if fsm or (cls in _TEXT_FIELDS and type(field) in (*_PLAIN_FIELDS, models.ForeignKey)):
+            kind = (str, None)
+        elif cls is models.BooleanField and type(field) is cls:
+            kind = (bool, None)
+        elif cls in _PLAIN_FIELDS and type(field) in (*_PLAIN_FIELDS, models.ForeignKey):
+            wrap = getattr(conn.ops, "integerfield_type_map", {}).get(target.get_internal_type()) \
+                if hasattr(conn.ops, "adapt_integerfield_value") and conn.vendor == "postgresql" else None
+            kind = (int, wrap)
+        elif type(field) is models.DateTimeField and conn.vendor == "postgresql":
+            kind = (datetime, None)
+        else:
+            kind = (None, None)
+        _FIELD_KINDS[key] = kind
+    return kind
+
+
+def db_values(fields, values, conn) -> list:
+    """``[field.get_db_prep_save(value, conn) ...]`` of ``fields`` and their ``values``, without the
+    call where it would hand the value over as it is or wrapped (``_field_kind``); None as it is
+    where the field takes it so: hot writes prepare a few dozen values per statement."""
+    out = []
+    for field, value in zip(fields, values):
+        expected, wrap = _field_kind(field, conn)
+        if type(value) is expected and (expected is not datetime or value.tzinfo is not None):
+            out.append(value if wrap is None else wrap(value))
+        elif value is None and expected is not None:
+            out.append(None)
+        else:
+            out.append(field.get_db_prep_save(value, conn))
+    return out
 
 
 def per_vendor(build):
@@ -179,7 +233,7 @@ def insert_returning(instance, returning: str = "", params: list | tuple = (), *
     read its parts (``core.fsm.save_moved_together``)."""
     model, conn = type(instance), db()
     fields = [field for field in model._meta.concrete_fields if not field.primary_key]
-    values = [field.get_db_prep_save(field.pre_save(instance, True), conn) for field in fields]
+    values = db_values(fields, [field.pre_save(instance, True) for field in fields], conn)
     with hot_cursor() as cursor:
         cursor.execute(_insert_returning_sql(model, returning, with_),
                        [*params, *values] if with_ else [*values, *params])
@@ -249,7 +303,8 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
     for rows, parent in levels:
         model = type(rows[0])
         columns = _tree_columns(model, parent)
-        params.extend([field.get_db_prep_save(field.pre_save(row, True), conn) for row in rows] for field in columns)
+        params.extend(db_values([field] * len(rows), [field.pre_save(row, True) for row in rows], conn)
+                      for field in columns)
         if parent is not None:
             params.append([previous[id(getattr(row, parent))] for row in rows])
         previous = {id(row): position for position, row in enumerate(rows, start=1)}
