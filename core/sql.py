@@ -11,7 +11,7 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections, models
 from django.db.models import Model, QuerySet
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
-from django_fsm import ConcurrentTransitionMixin
+from django_fsm import ConcurrentTransitionMixin, FSMFieldMixin
 
 
 def db():
@@ -155,6 +155,7 @@ class ModelRows:
         self._converters: dict[str, list] = {}
         self._by_pk: dict[tuple[str, bool], str] = {}
         self._plain_model: bool | None = None
+        self._states: list[tuple[str, int]] | None = None
 
     def columns(self, alias: str) -> str:
         qn = connection.ops.quote_name
@@ -187,9 +188,10 @@ class ModelRows:
             row = cursor.fetchone()
         return None if row is None else self.load(row)
 
-    def load(self, row, start: int = 0):
-        """The instance whose values are ``row[start:start + width]``."""
-        conn = db()
+    def load(self, row, start: int = 0, conn=None):
+        """The instance whose values are ``row[start:start + width]`` (``conn``: the connection they
+        were read on, when the caller holds it)."""
+        conn = conn or db()
         values = list(row[start:start + self.width])
         for index, expression, functions in self._converters_now(conn):
             value = values[index]
@@ -204,8 +206,8 @@ class ModelRows:
         instance.__dict__.update(zip(self.names, values))
         instance._state = ModelState()
         instance._state.adding, instance._state.db = False, conn.alias
-        if isinstance(instance, ConcurrentTransitionMixin):
-            instance._update_initial_state()
+        if self._states is not None:  # ``ConcurrentTransitionMixin._update_initial_state``, from the values
+            instance._ConcurrentTransitionMixin__initial_states = {name: values[index] for name, index in self._states}
         return instance
 
     def _plain(self) -> bool:
@@ -218,8 +220,15 @@ class ModelRows:
                                  and all(klass.__dict__.get("__init__") is None
                                          for klass in model.__mro__
                                          if klass not in (Model, ConcurrentTransitionMixin, object)))
-        return (self._plain_model and not pre_init.has_listeners(self.model)
-                and not post_init.has_listeners(self.model))
+            if issubclass(model, ConcurrentTransitionMixin):  # its state fields' positions in a row
+                states = [field.attname for field in model._meta.concrete_fields
+                          if isinstance(field, FSMFieldMixin)]
+                self._states = [(name, self.names.index(name)) for name in states]
+        if not self._plain_model:
+            return False
+        # No receiver at all (the usual case) answers at once; else ask for this model's.
+        return ((not pre_init.receivers or not pre_init.has_listeners(self.model))
+                and (not post_init.receivers or not post_init.has_listeners(self.model)))
 
 
 def insert_returning(instance, returning: str = "", params: list | tuple = (), *, with_: str = "") -> Any:

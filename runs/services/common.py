@@ -19,7 +19,7 @@ from core.errors import (
 from core.models import Project
 from core.fsm import save_moved_together
 from core.services import audit_record, row_lock, transition_log
-from core.sql import ModelRows, hot_cursor, insert_tree, per_vendor
+from core.sql import ModelRows, db, hot_cursor, insert_tree, per_vendor
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,
@@ -170,8 +170,8 @@ class RunTree:
         self.steps: dict[int, Step] = {}
         for step in steps if steps is not None else self._read(run):
             task = self.tasks.setdefault(step.task_id, step.task)
-            task.agent = self.agents.setdefault(task.agent_id, task.agent)
-            step.task = task
+            _related_set(task, "agent", self.agents.setdefault(task.agent_id, task.agent))
+            _related_set(step, "task", task)
             self.steps[step.pk] = step
         self._tasks_of: dict[int, list[Task]] = {}
         for task in sorted(self.tasks.values(), key=lambda t: t.sequence):
@@ -213,32 +213,56 @@ def _tree_steps(rows, start: int = 0) -> list[Step]:
     step_pk = start + _STEP_ROWS.names.index("id")
     task_at, agent_at = start + _STEP_ROWS.width, start + _STEP_ROWS.width + _TASK_ROWS.width
     task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
+    conn = db()
     for row in rows:
         if row[step_pk] is None:
             continue
-        step = _STEP_ROWS.load(row, start)
+        step = _STEP_ROWS.load(row, start, conn)
         task = tasks.get(row[task_pk])
         if task is None:
-            task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at)
+            task = tasks[row[task_pk]] = _TASK_ROWS.load(row, task_at, conn)
             agent = agents.get(row[agent_pk])
             if agent is None:
-                agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at)
-            task.agent = agent
-        step.task = task
+                agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at, conn)
+            _related_set(task, "agent", agent)
+        _related_set(step, "task", task)
         steps.append(step)
     return steps
+
+
+def _related_set(node, name: str, parent) -> None:
+    """``node.<name> = parent`` for a parent whose key the node's foreign key already holds (a tree
+    read or built together), without the descriptor's checks: the related object's cache."""
+    node._state.fields_cache[name] = parent
+
+
+def _first_columns(rows: ModelRows, alias: str, over: str) -> str:
+    """``rows.columns(alias)``, each but the key NULL in every row but the first of its window
+    ``over``: a row repeated by a join (a task's on each of its steps) is sent, and parsed, once."""
+    qn = connection.ops.quote_name
+    return ", ".join(f"{alias}.{qn(field.column)}" if field.primary_key
+                     else f"CASE WHEN ROW_NUMBER() OVER ({over}) = 1 THEN {alias}.{qn(field.column)} END"
+                     for field in rows.fields)
+
+
+def _tree_columns_sql(step: str, task: str, agent: str) -> str:
+    """The tree's columns (a step's, its task's, its agent's), a task's and an agent's sent with its
+    first step only (the statement orders its rows by step: ``_tree_steps`` loads a node from the
+    first row that names it)."""
+    return (f"{_STEP_ROWS.columns(step)}, {_first_columns(_TASK_ROWS, task, f'PARTITION BY {task}.id ORDER BY {step}.id')},"
+            f" {_first_columns(_AGENT_ROWS, agent, f'PARTITION BY {agent}.id ORDER BY {step}.id')}")
 
 
 @per_vendor
 def _tree_sql() -> str:
     """The current attempt's nodes of a run: each table filtered by its own run index (the run's
     rows only, whatever the planner's statistics say: a fresh or just-grown table is never joined
-    whole); no order (the tree sorts its levels)."""
+    whole), in the order of the steps (the tree sorts its levels)."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    return (f"SELECT {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('a')}"
+    return (f"SELECT {_tree_columns_sql('s', 't', 'a')}"
             f" FROM {step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} a ON a.id = t.agent_id"
-            " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s")
+            " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s ORDER BY s.id")
 
 
 def _run_tree(run: Run) -> RunTree:
@@ -318,13 +342,14 @@ def _step_attempt_read_sql() -> str:
     yet)."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    return (f"SELECT {_STEP_ATTEMPT_ROWS.columns('m')}, {_ATTEMPT_ROWS.columns('a')}, {_open_artifacts_sql('%s')},"
-            f" {_STEP_ROWS.columns('s')}, {_TASK_ROWS.columns('t')}, {_AGENT_ROWS.columns('g')}"
+    first = "ORDER BY s.id"  # the attempts' columns in the first row only (``_step_attempt_kept`` reads it)
+    return (f"SELECT {_first_columns(_STEP_ATTEMPT_ROWS, 'm', first)}, {_first_columns(_ATTEMPT_ROWS, 'a', first)},"
+            f" {_open_artifacts_sql('%s')}, {_tree_columns_sql('s', 't', 'g')}"
             f" FROM {qn(StepAttempt._meta.db_table)} m"
             f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
             f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
             " ON s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
-            " WHERE m.id = %s")
+            " WHERE m.id = %s ORDER BY s.id")
 
 
 def _run_tree_forget(run: Run) -> None:
