@@ -122,8 +122,26 @@ def _wait_runs(ids: list[int], window: Window | None) -> None:
             last, last_change = (terminal, steps), time.monotonic()
         elif time.monotonic() - last_change > STALL_S:
             raise BenchFailure(f"{terminal} of {len(ids)} runs ended, {steps} steps completed, and nothing moved "
-                               f"for {STALL_S:.0f} s")
+                               f"for {STALL_S:.0f} s; {_stuck(ids)}")
         time.sleep(0.25)
+
+
+def _stuck(ids: list[int]) -> str:
+    """What the runs that did not end hold (at most 3): their nodes' states and their jobs'."""
+    from collections import Counter
+
+    from jobs.models import Job
+    from runs.models import Agent, Run, Step, Task
+
+    parts = []
+    for run in Run.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).order_by("pk")[:3]:
+        nodes = {model.__name__.lower(): dict(Counter(model.objects.filter(
+            run=run, **({"attempt_number": run.attempt_number} if model is Agent else {})).values_list(
+            "status", flat=True))) for model in (Agent, Task, Step)}
+        jobs = list(Job.objects.filter(run_id=run.pk).order_by("pk").values_list("pk", "type", "state", "reason",
+                                                                                 "attempts", "payload"))
+        parts.append(f"run {run.pk} {run.status}: {nodes}; jobs {jobs}")
+    return " | ".join(parts) or "every run ended"
 
 
 def batch(project, count: int, env: dict, out: Path, database_url: str | None, profile: Path | None = None):
