@@ -4,6 +4,7 @@ and model rows read by statements written once."""
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime
 from typing import Any
 
@@ -16,8 +17,18 @@ from django_fsm import ConcurrentTransitionMixin, FSMFieldMixin
 
 def db():
     """This thread's default connection itself, not the ``django.db.connection`` proxy, which looks
-    the connection up again on every attribute read: hot paths read it once."""
-    return connections[DEFAULT_DB_ALIAS]
+    the connection up again on every attribute read: hot paths read it once. Kept per thread while
+    the connection handler keeps its connections (a change of ``DATABASES`` gives it new ones)."""
+    kept = getattr(_db, "kept", None)
+    handler_connections = connections._connections
+    if kept is not None and kept[0] is handler_connections:
+        return kept[1]
+    conn = connections[DEFAULT_DB_ALIAS]
+    _db.kept = (handler_connections, conn)
+    return conn
+
+
+_db = threading.local()
 
 
 # Fields whose ``get_db_prep_save`` hands a value of the usual type to the driver as it is, or (an
@@ -29,13 +40,13 @@ _PLAIN_FIELDS = (models.AutoField, models.BigAutoField, models.SmallAutoField, m
                  models.PositiveBigIntegerField, models.PositiveSmallIntegerField, models.CharField,
                  models.TextField, models.BooleanField)
 _TEXT_FIELDS = (models.CharField, models.TextField)
-_FIELD_KINDS: dict[tuple, tuple] = {}
+_FIELD_KINDS: dict[tuple, tuple] = {}  # (vendor, id(field)): fields live as long as the process
 
 
 def _field_kind(field, conn) -> tuple:
     """``(type, wrap)``: a value of exactly ``type`` goes to the driver as ``wrap(value)`` (as it is
     when ``wrap`` is None); ``(None, None)``: always through ``get_db_prep_save``."""
-    key = (conn.vendor, field)
+    key = (conn.vendor, id(field))  # a field's own hash is computed from its model at every call
     kind = _FIELD_KINDS.get(key)
     if kind is None:
         target = field.target_field if type(field) is models.ForeignKey else field
