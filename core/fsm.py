@@ -156,18 +156,24 @@ def moves_put_off() -> Iterator[None]:
     Moving a kept row again updates what is kept (one ``UPDATE`` per row, guarded by the states it
     was read in). A ``ROLLBACK TO SAVEPOINT`` drops the kept rows (a savepoint's creation wrote the
     ones before it); leaving the block writes what is left, or drops it when an exception leaves.
-    ``ConcurrentTransition`` comes from the statement that writes the row."""
+    ``ConcurrentTransition`` comes from the statement that writes the row; when that is another
+    statement's write and the code around it goes on, leaving the block raises it again (the
+    transaction fails as it would have at the move's own write). An object whose kept move a
+    rollback dropped cannot be saved again without a fresh read (``ConcurrentTransition``)."""
     conn = db()
     if conn.vendor != "postgresql" or _put_off_rows() is not None:
         yield
         return
-    _put_off.rows = []
+    _put_off.rows, _put_off.failed = [], None
     try:
         with conn.execute_wrapper(_write_kept_first):
             yield
-            moves_flush()
+            if _put_off.failed is None and not conn.needs_rollback:
+                moves_flush()
+            if _put_off.failed is not None:  # a write of kept rows failed under another statement, and
+                raise _put_off.failed        # the caller went on: the transaction fails with it all the same
     finally:
-        _put_off.rows = None
+        _put_off.rows = _put_off.failed = None
 
 
 @contextmanager
@@ -193,8 +199,15 @@ def moves_take() -> list[tuple[Any, tuple[str, ...]]]:
 
 
 def moves_flush() -> None:
-    """Write the kept rows now (one statement)."""
-    _write_together(moves_take())
+    """Write the kept rows now (one statement). A failure is kept too: the block fails with it at its
+    end even when the code around the statement that caused the write catches it (the write of a
+    conflicting move must not pass for that statement's own error)."""
+    try:
+        _write_together(moves_take())
+    except BaseException as exc:
+        if _put_off_rows() is not None and getattr(_put_off, "failed", None) is None:
+            _put_off.failed = exc
+        raise
 
 
 def _put_off_add(moves) -> bool:
@@ -243,10 +256,23 @@ def _write_kept_first(execute, sql, params, many, context):
     if rows:
         text = sql if isinstance(sql, str) else ""
         if text.startswith("ROLLBACK"):
+            for row, _ in rows:  # its move is undone: a later save of this object is refused, as it would
+                _stale(row)      # have been had the move been written (the row holds the state before it)
             rows.clear()
         elif text.startswith("SAVEPOINT") or not getattr(_put_off, "waiting", False):
             moves_flush()
     return execute(sql, params, many, context)
+
+
+# A state no row holds: the initial state of an object whose kept move a rollback dropped.
+_NO_STATE = "(rolled back)"
+
+
+def _stale(row) -> None:
+    if isinstance(row, ConcurrentTransitions):
+        initial = row._ConcurrentTransitionMixin__initial_states
+        for field in _state_fields_of(type(row)):
+            initial[field.attname] = _NO_STATE
 
 
 def _moved_params(row, fields: tuple[str, ...]) -> list:

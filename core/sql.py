@@ -17,8 +17,9 @@ from django_fsm import ConcurrentTransitionMixin, FSMFieldMixin
 
 def db():
     """This thread's default connection itself, not the ``django.db.connection`` proxy, which looks
-    the connection up again on every attribute read: hot paths read it once. Kept per thread while
-    the connection handler keeps its connections (a change of ``DATABASES`` gives it new ones)."""
+    the connection up again on every attribute read: hot paths read it once. Kept per thread for the
+    life of the handler's per-thread storage (code that puts another connection object in its place,
+    ``connections["default"] = ...``, is not followed: nothing here does)."""
     kept = getattr(_db, "kept", None)
     handler_connections = connections._connections
     if kept is not None and kept[0] is handler_connections:
@@ -40,14 +41,15 @@ _PLAIN_FIELDS = (models.AutoField, models.BigAutoField, models.SmallAutoField, m
                  models.PositiveBigIntegerField, models.PositiveSmallIntegerField, models.CharField,
                  models.TextField, models.BooleanField)
 _TEXT_FIELDS = (models.CharField, models.TextField)
-_FIELD_KINDS: dict[tuple, tuple] = {}  # (vendor, id(field)): fields live as long as the process
 
 
 def _field_kind(field, conn) -> tuple:
     """``(type, wrap)``: a value of exactly ``type`` goes to the driver as ``wrap(value)`` (as it is
     when ``wrap`` is None); ``(None, None)``: always through ``get_db_prep_save``."""
-    key = (conn.vendor, id(field))  # a field's own hash is computed from its model at every call
-    kind = _FIELD_KINDS.get(key)
+    kinds = field.__dict__.get("_db_values_kinds")  # on the field: its own hash is computed at every call
+    if kinds is None:
+        kinds = field.__dict__["_db_values_kinds"] = {}
+    kind = kinds.get(conn.vendor)
     if kind is None:
         target = field.target_field if type(field) is models.ForeignKey else field
         cls = type(target)
@@ -64,7 +66,7 @@ def _field_kind(field, conn) -> tuple:
             kind = (datetime, None)
         else:
             kind = (None, None)
-        _FIELD_KINDS[key] = kind
+        kinds[conn.vendor] = kind
     return kind
 
 

@@ -280,6 +280,8 @@ def test_moves_kept_for_the_next_statement_are_seen_by_any_read_and_a_stale_one_
 
 @pytest.mark.postgres
 def test_a_savepoint_rolled_back_drops_the_moves_kept_inside_it_and_keeps_those_before(project):
+    from django_fsm import ConcurrentTransition
+
     from core.fsm import moves_put_off
     from runs.models import Agent, Task
 
@@ -294,6 +296,32 @@ def test_a_savepoint_rolled_back_drops_the_moves_kept_inside_it_and_keeps_those_
             raise RuntimeError("refused")
     assert Agent.objects.get(pk=agent.pk).status == "running"
     assert Task.objects.get(pk=task.pk).status == "pending"
+    with pytest.raises(ConcurrentTransition), transaction.atomic():
+        task.save_moved(task.MOVING_FIELDS)  # the copy whose move was rolled back: refused, not written again
+    assert Task.objects.get(pk=task.pk).status == "pending"
+
+
+@pytest.mark.postgres
+def test_a_kept_move_refused_under_another_statement_fails_the_transaction_even_when_that_error_is_caught(project):
+    from django_fsm import ConcurrentTransition
+
+    from core.fsm import moves_put_off
+    from runs.models import Agent
+
+    run = running(project, "caught", steps=1)
+    agent, stale = Agent.objects.get(run=run), Agent.objects.get(run=run)
+    agent.begin()
+    agent.save_moved(agent.MOVING_FIELDS)
+    with pytest.raises(ConcurrentTransition), transaction.atomic(), moves_put_off():
+        stale.begin()  # pending → running on a stale copy: kept, refused when written
+        stale.save_moved(stale.MOVING_FIELDS)
+        try:
+            Event.objects.count()  # the kept move is written (and refused) before this read
+        except Exception:
+            pass  # code that catches its own statement's errors does not swallow the refused move
+        event_record(type="run_note", organization_id=project.organization_id, project_id=project.pk,
+                     run_id=run.pk, payload={})
+    assert not Event.objects.filter(type="run_note", run_id=run.pk).exists()  # rolled back as a whole
 
 
 @pytest.mark.postgres
