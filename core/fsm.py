@@ -202,8 +202,12 @@ def moves_flush() -> None:
     """Write the kept rows now (one statement). A failure is kept too: the block fails with it at its
     end even when the code around the statement that caused the write catches it (the write of a
     conflicting move must not pass for that statement's own error)."""
+    _write_kept(moves_take())
+
+
+def _write_kept(moves) -> None:
     try:
-        _write_together(moves_take())
+        _write_together(moves)
     except BaseException as exc:
         if _put_off_rows() is not None and getattr(_put_off, "failed", None) is None:
             _put_off.failed = exc
@@ -211,28 +215,18 @@ def moves_flush() -> None:
 
 
 def _put_off_add(moves) -> bool:
-    """Keep ``moves`` (False outside ``moves_put_off``): a row already kept gets the fields added; a
-    row kept through another object (the same table row) is written first."""
+    """Keep ``moves`` (False outside ``moves_put_off``), merged with the rows kept (``_merged``)."""
     rows = _put_off_rows()
     if rows is None:
         return False
-    for row, fields in moves:
-        for entry in rows:
-            if entry[0] is row:
-                entry[1] = entry[1] + tuple(name for name in fields if name not in entry[1])
-                break
-            if type(entry[0]) is type(row) and entry[0].pk == row.pk:
-                moves_flush()
-                rows.append([row, tuple(fields)])
-                break
-        else:
-            rows.append([row, tuple(fields)])
+    rows[:] = _merged(moves_take(), moves)
     return True
 
 
 def _merged(kept, moves) -> list[tuple[Any, tuple[str, ...]]]:
-    """The kept rows then ``moves``, one entry per object; a table row kept through another object
-    than the one in ``moves`` is written at once (one statement cannot update a row twice)."""
+    """The kept rows then ``moves``, one entry per object (a row moved again gets the fields added);
+    before a table row kept through another object than the one in ``moves``, what is merged so far
+    is written at once (one statement cannot update a row twice)."""
     merged = [[row, fields] for row, fields in kept]
     for row, fields in moves:
         for entry in merged:
@@ -240,7 +234,7 @@ def _merged(kept, moves) -> list[tuple[Any, tuple[str, ...]]]:
                 entry[1] = entry[1] + tuple(name for name in fields if name not in entry[1])
                 break
             if type(entry[0]) is type(row) and entry[0].pk == row.pk:
-                _write_together([(r, f) for r, f in merged])
+                _write_kept([(r, f) for r, f in merged])
                 merged = [[row, tuple(fields)]]
                 break
         else:
