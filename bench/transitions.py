@@ -91,6 +91,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=300, help="run lifecycles to time (default 300)")
     parser.add_argument("--baseline", type=int, default=3000, help="baseline transactions to time (default 3000)")
+    parser.add_argument("--show-queries", action="store_true", help="print the statements of one lifecycle, by phase")
     args = parser.parse_args()
     if args.runs < 1 or args.baseline < 1:
         parser.error("--runs and --baseline must be at least 1")
@@ -99,12 +100,12 @@ def main() -> int:
     os.environ.setdefault("ORCHESTRATOR_TRANSITION_LOG_LEVEL", "WARNING")  # figures, not a log line per transition
     label, cleanup = prepare_environment()
     try:
-        return run_benchmark(label, runs=args.runs, baseline=args.baseline)
+        return run_benchmark(label, runs=args.runs, baseline=args.baseline, show_queries=args.show_queries)
     finally:
         cleanup()
 
 
-def run_benchmark(label: str, *, runs: int, baseline: int) -> int:
+def run_benchmark(label: str, *, runs: int, baseline: int, show_queries: bool = False) -> int:
     import django
 
     django.setup()
@@ -149,6 +150,10 @@ def run_benchmark(label: str, *, runs: int, baseline: int) -> int:
         if counts is not None:
             for name, start, end in zip(phases, marks, marks[1:]):
                 counts[name] = counts.get(name, 0) + end - start
+                if show_queries and len(counts) <= len(phases) and counts[name] == end - start:
+                    print(f"-- {name}: {end - start} statements")
+                    for query in connection.queries[start:end]:
+                        print(f"   {query['sql'][:400]}")
 
     # Warm up (connections, prepared statements, caches), then count queries on a sample.
     for _ in range(10):
