@@ -15,6 +15,12 @@ BASE_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(BASE_DIR))
 
 
+# The baselines' clusters run django-q2 as it ships: a worker replaced after 500 tasks, all at the
+# same count, no memory bound (our settings raise the count and spread it per process).
+BARE_DJANGO_Q = {"ORCHESTRATOR_Q_RECYCLE": "500", "ORCHESTRATOR_Q_RECYCLE_SPREAD": "0",
+                 "ORCHESTRATOR_Q_MAX_RSS_KB": "0"}
+
+
 def scratch_name(name: str) -> str:
     """``name`` with its ``orchestrator_bench`` prefix replaced by ``BENCH_DATABASE_PREFIX`` (if set)."""
     prefix = os.environ.get("BENCH_DATABASE_PREFIX", "").strip()

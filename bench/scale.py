@@ -58,7 +58,7 @@ BASE_DIR = HERE.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 sys.path.insert(0, str(BASE_DIR))
 from bench import counting  # noqa: E402
-from bench._common import (Window, percentile, pg_stat_statements_note, start_process,  # noqa: E402
+from bench._common import (BARE_DJANGO_Q, Window, percentile, pg_stat_statements_note, start_process,  # noqa: E402
                            start_profile, stop_process, stop_profile, wait_workers)
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
@@ -258,7 +258,7 @@ def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str 
     connections.close_all()
     window = Window(database_url, REDIS_URL)
     # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
-    processes = _start_clusters(clusters, env, out, f"bare-{clusters}")
+    processes = _start_clusters(clusters, {**env, **BARE_DJANGO_Q}, out, f"bare-{clusters}")
     with _workers_running(processes, f"bare django-q2, {clusters} cluster(s)", REDIS_URL, range(n)):
         window.open()
         before = cpu_times()
@@ -334,9 +334,20 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
     problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids)
-    waits = [(started - queued).total_seconds() * 1000
-             for queued, started in Job.objects.filter(pk__in=ids).values_list("queued_at", "started_at")]
+    rows = list(Job.objects.filter(pk__in=ids).values_list("queued_at", "started_at", "worker"))
+    waits = [(started - queued).total_seconds() * 1000 for queued, started, _ in rows]
+    _waits_dump(out / f"latency-{clusters}.tsv", rows)
     return percentile(waits, 50), percentile(waits, 99), len(ids), problems
+
+
+def _waits_dump(path: Path, rows: list) -> None:
+    """Each job of the stream: seconds since the stream's first job, its wait (ms), its worker."""
+    if not rows:
+        return
+    first = min(queued for queued, _, _ in rows)
+    with path.open("w") as handle:
+        for queued, started, worker in sorted(rows):
+            handle.write(f"{(queued - first).total_seconds():.3f}\t{(started - queued).total_seconds() * 1000:.1f}\t{worker}\n")
 
 
 STALL_S = 60.0

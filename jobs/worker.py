@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -65,6 +66,20 @@ def ensure_started() -> None:
     _started_at = timezone.now()
     thread = threading.Thread(target=_loop, name="orchestrator-heartbeat", daemon=True)
     thread.start()
+
+
+def recycle_spread(seed: int | None = None) -> int:
+    """Give this worker process its own recycling count: django-q2's ``recycle`` plus up to
+    ``ORCHESTRATOR_Q_RECYCLE_SPREAD`` % more, drawn per process. Wake messages go round the
+    workers of a cluster evenly, so with one count for all they reached it together and were
+    replaced together: the cluster claimed nothing until the first new process was up (a quarter
+    to a third of a second, seen as the p99 of a steady stream). Returns the count this process keeps."""
+    from django_q.conf import Conf
+
+    base = int(settings.Q_CLUSTER.get("recycle") or Conf.RECYCLE)
+    spread = base * max(0, settings.ORCHESTRATOR_Q_RECYCLE_SPREAD) // 100
+    Conf.RECYCLE = base + random.Random(seed).randrange(spread + 1)
+    return Conf.RECYCLE
 
 
 def _loop() -> None:

@@ -309,10 +309,16 @@ Q_CLUSTER = {
     "max_attempts": 1,
     "ack_failures": True,
     "save_limit": env_int("ORCHESTRATOR_Q_SAVE_LIMIT", 1000),  # successful task results kept
+    # A worker process is replaced after this many messages (each worker of a cluster after its own
+    # count, up to ``ORCHESTRATOR_Q_RECYCLE_SPREAD`` % more: ``jobs.worker.recycle_spread``), or once
+    # it has used this much memory (KB, peak resident size; 0: never).
+    "recycle": env_int("ORCHESTRATOR_Q_RECYCLE", 5000),
+    "max_rss": env_int("ORCHESTRATOR_Q_MAX_RSS_KB", 1_048_576) or None,
     "catch_up": False,
     "poll": 0.05,
     "label": "Django Q",
 }
+ORCHESTRATOR_Q_RECYCLE_SPREAD = env_int("ORCHESTRATOR_Q_RECYCLE_SPREAD", 50)
 if REDIS_URL:
     Q_CLUSTER["redis"] = REDIS_URL
 else:
