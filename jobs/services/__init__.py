@@ -28,7 +28,8 @@ from jobs.services.cancellation import (
     job_mark_cancelled,
     jobs_enforce_interrupt_timeouts,
 )
-from jobs.services.claim import job_claim, jobs_claim, jobs_claim_order, jobs_eligible, organization_max_executing
+from jobs.services.claim import (claim_warm, job_claim, jobs_claim, jobs_claim_order, jobs_eligible,
+                                 organization_max_executing)
 from jobs.services.common import job_as_dict, job_transition
 from jobs.services.enqueue import EnqueueResult, job_enqueue, jobs_enqueue_many, organization_max_waiting
 from jobs.services.outcomes import (
@@ -48,6 +49,7 @@ __all__ = [
     "job_as_dict",
     "job_cancel",
     "job_cancel_requested",
+    "claim_warm",
     "job_claim",
     "job_complete",
     "job_enqueue",

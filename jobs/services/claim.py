@@ -136,6 +136,20 @@ def _claim(limit: int, params: dict) -> list[Job]:
     return claimed
 
 
+def claim_warm() -> None:
+    """Plan the claim's statements once on this process's connection (PostgreSQL ``EXPLAIN``:
+    nothing is executed or locked), so that a new worker's first claim, which holds the claim
+    lock, does not also load the catalog entries of every table and index it touches (about
+    10 ms on a new connection, paid by every claim queued behind it)."""
+    if connection.vendor != "postgresql":
+        return
+    limit = max(1, settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH)
+    params = claim_params(worker="", limit=limit, now=timezone.now())
+    with hot_cursor() as cursor:
+        cursor.execute("EXPLAIN " + fresh_sql(limit), {**params, "sort": "on", "seqscan": "on"})
+        cursor.execute("EXPLAIN " + claim_sql(limit), {**params, "fresh": []})
+
+
 def claim_params(*, worker: str, limit: int, now) -> dict:
     """The parameters of ``claim_sql``: the settings as they are now, the time, the worker."""
     adapt = connection.ops.adapt_datetimefield_value
