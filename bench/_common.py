@@ -16,9 +16,10 @@ sys.path.insert(0, str(BASE_DIR))
 
 
 # The baselines' clusters run django-q2 as it ships: a worker replaced after 500 tasks, all at the
-# same count, no memory bound (our settings raise the count and spread it per process).
+# same count, no memory bound (our settings raise the count and spread it per process), and no
+# statements of ours at a worker's start (its claim planned ahead).
 BARE_DJANGO_Q = {"ORCHESTRATOR_Q_RECYCLE": "500", "ORCHESTRATOR_Q_RECYCLE_SPREAD": "0",
-                 "ORCHESTRATOR_Q_MAX_RSS_KB": "0"}
+                 "ORCHESTRATOR_Q_MAX_RSS_KB": "0", "ORCHESTRATOR_QUEUE_WARM_AT_START": "false"}
 
 
 def scratch_name(name: str) -> str:

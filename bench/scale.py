@@ -294,9 +294,10 @@ def measure_celery(workers: int, n: int, out: Path) -> Result:
 TICK_S = 0.01
 
 
-def _produce(rate: float, seconds: float, project) -> list[int]:
+def _produce(rate: float, seconds: float, project, calls: list | None = None) -> list[int]:
     """Enqueue ``rate`` jobs/s for ``seconds``, the jobs due every ``TICK_S`` together; the ids
-    enqueued."""
+    enqueued. ``calls`` receives each ``jobs_enqueue_many`` call's (start in s, duration in ms):
+    a job's wait counts from its ``queued_at``, set before the call commits."""
     from django.db import connection
     from jobs.services import jobs_enqueue_many
 
@@ -310,8 +311,11 @@ def _produce(rate: float, seconds: float, project) -> list[int]:
             due = int(rate * min(end, time.monotonic()) - rate * started) - len(ids)
             if due > 0:
                 payloads = [{"value": 0, "total": 0, "redis": REDIS_URL}] * due
+                call = time.monotonic()
                 ids.extend(result.job.pk for result in jobs_enqueue_many(
                     job_type="bench_counted", project=project, payloads=payloads))
+                if calls is not None:
+                    calls.append((call - started, (time.monotonic() - call) * 1000))
             next_at += TICK_S
     finally:
         connection.close()
@@ -327,8 +331,9 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     _flush_redis()
     processes = _start_clusters(clusters, env, out, f"latency-{clusters}")
     ids: list[int] = []
+    calls: list[tuple[float, float]] = []
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
-        ids.extend(_produce(rate, seconds, project))
+        ids.extend(_produce(rate, seconds, project, calls))
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
@@ -337,7 +342,10 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     rows = list(Job.objects.filter(pk__in=ids).values_list("queued_at", "started_at", "worker"))
     waits = [(started - queued).total_seconds() * 1000 for queued, started, _ in rows]
     _waits_dump(out / f"latency-{clusters}.tsv", rows)
-    return percentile(waits, 50), percentile(waits, 99), len(ids), problems
+    with (out / f"latency-{clusters}-producer.tsv").open("w") as handle:
+        handle.writelines(f"{at:.3f}\t{duration:.1f}\n" for at, duration in calls)
+    durations = [duration for _, duration in calls] or [0.0]
+    return percentile(waits, 50), percentile(waits, 99), len(ids), problems, max(durations)
 
 
 def _waits_dump(path: Path, rows: list) -> None:
@@ -346,6 +354,7 @@ def _waits_dump(path: Path, rows: list) -> None:
         return
     first = min(queued for queued, _, _ in rows)
     with path.open("w") as handle:
+        handle.write(f"# seconds since {first.isoformat()}, wait ms, worker\n")
         for queued, started, worker in sorted(rows):
             handle.write(f"{(queued - first).total_seconds():.3f}\t{(started - queued).total_seconds() * 1000:.1f}\t{worker}\n")
 
@@ -439,11 +448,11 @@ def main() -> None:
         if args.latency_seconds > 0:
             for processes in (1, 2):
                 stream = args.latency_rate or max(5.0, 0.6 * max(r.rate for r in results[("ours", processes)]))
-                p50, p99, count, problems = measure_latency(processes, stream, args.latency_seconds, project,
-                                                            child_env, out)
+                p50, p99, count, problems, slowest = measure_latency(processes, stream, args.latency_seconds,
+                                                                     project, child_env, out)
                 if problems:
                     _fail(f"latency, {processes} cluster(s): " + "; ".join(problems))
-                latency[processes] = (stream, p50, p99, count)
+                latency[processes] = (stream, p50, p99, count, slowest)
         profiled = None
         if args.profile:
             profile = out / f"profile-scale-{db_label}.folded"
@@ -485,10 +494,11 @@ def main() -> None:
         print(f"transactions: pg_stat_database commits + rollbacks over the window (counted by the processes: "
               f"ours {fmt(ours1.counted_xact)}|{fmt(ours2.counted_xact)} per job); statements: "
               + (pg_stat_statements_note() or "pg_stat_statements calls"))
-    for processes, (stream, p50, p99, count) in latency.items():
+    for processes, (stream, p50, p99, count, slowest) in latency.items():
         print(f"queued -> executing, our queue, {processes} cluster(s), a stream of {stream:.0f} jobs/s for "
               f"{args.latency_seconds:.0f} s ({count} jobs, {count / args.latency_seconds:.0f}/s reached): "
-              f"p50 {p50:.1f} ms, p99 {p99:.1f} ms")
+              f"p50 {p50:.1f} ms, p99 {p99:.1f} ms (the producer's slowest enqueue call: {slowest:.0f} ms; "
+              f"each job's wait in bench/out/latency-{processes}.tsv)")
     if profiled:
         print(f"profiled pass (py-spy, 1 cluster, not in the table): {profiled.rate:.0f} jobs/s -> "
               f"bench/out/profile-scale-{db_label}.folded")

@@ -45,10 +45,9 @@ class JobsConfig(AppConfig):
         from jobs.tasks import bulk_runbook_send
 
         bulk_launcher_register(bulk_runbook_send)  # bulk runbook operations run as the bulk_runbook task
-        from jobs.worker import ensure_started, recycle_spread
+        from jobs.worker import process_started
 
         def start_heartbeat(sender, proc_name, **kwargs):
-            recycle_spread()
-            ensure_started()
+            process_started()
 
         post_spawn.connect(start_heartbeat, weak=False, dispatch_uid="orchestrator-heartbeat")

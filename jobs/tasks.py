@@ -8,7 +8,6 @@ import time
 from datetime import timedelta
 
 from django.conf import settings
-from django.db import DatabaseError
 from django.utils import timezone
 
 from core.bulk import bulk_operation_as_dict, bulk_operation_process
@@ -23,7 +22,6 @@ logger = logging.getLogger("orchestrator.jobs")
 # as few claimed jobs as possible.
 _batch = {"size": 1}
 QUICK_JOB_S = 0.05
-_warmed: list[bool] = []  # this process planned its claim ahead (``_claim_warm``)
 
 
 def drain(*args, **kwargs) -> int:
@@ -36,9 +34,6 @@ def drain(*args, **kwargs) -> int:
     (``wake.linger``, ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS``).
     """
     worker.ensure_started()
-    if not _warmed:
-        _warmed.append(True)
-        _claim_warm()
     me = worker.worker_id()
     deadline = time.monotonic() + settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_S
     budget = settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS
@@ -57,15 +52,6 @@ def drain(*args, **kwargs) -> int:
         done += len(jobs)
     wake.wake_workers(1, force=True)  # work may be left: the next message goes on with it
     return done
-
-
-def _claim_warm() -> None:
-    """A process's first drain plans the claim before its first claim (``claim_warm``), so that
-    the catalog reads of a new connection are not made under the claim lock."""
-    try:
-        services.claim_warm()
-    except DatabaseError:  # the claim that follows meets the same error and reports it
-        logger.warning("could not plan the claim ahead", exc_info=True)
 
 
 def maintenance(*args, **kwargs) -> dict:

@@ -352,6 +352,8 @@ ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = env_int("ORCHESTRATOR_QUEUE_WAKE_COALESCE_
 # default: every enqueue's NOTIFY then costs each listening worker's idle backend a short
 # transaction of its own, which a run's step path pays about 1.4 times per step).
 ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS = env_int("ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS", 0)
+# A new worker process plans the claim's statements before its first message (PostgreSQL).
+ORCHESTRATOR_QUEUE_WARM_AT_START = env_bool("ORCHESTRATOR_QUEUE_WARM_AT_START", True)
 ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS = env_int("ORCHESTRATOR_SUGGEST_REPLY_WAIT_MS", 12_000)
 ORCHESTRATOR_WORKER_SESSION_STALE_S = env_int("ORCHESTRATOR_WORKER_SESSION_STALE_S", 3600)
 

@@ -3,12 +3,15 @@ replaced together), the claim planned ahead of its first claim, and the job tabl
 
 from __future__ import annotations
 
+import gc
+
 import pytest
-from django.db import connection
+from django.db import OperationalError, connection
 from django_q.conf import Conf
 
 from jobs.models import Job, JobState
 from jobs.services import claim_warm, job_enqueue, jobs_claim
+from jobs import worker
 from jobs.worker import recycle_spread
 
 
@@ -61,3 +64,34 @@ def test_the_job_table_keeps_its_foreign_keys_without_single_column_indexes_on_t
     # the composite indexes that serve those lookups are there
     leading = {c["columns"][0] for c in constraints.values() if c["index"] and len(c["columns"]) > 1}
     assert {"organization_id", "project_id", "type"} <= leading
+
+
+def test_a_new_worker_process_freezes_what_it_inherited_and_plans_its_claim(settings, monkeypatch, recycle_restored):
+    planned, started = [], []
+    monkeypatch.setattr("jobs.services.claim_warm", lambda: planned.append(True))
+    monkeypatch.setattr(worker, "ensure_started", lambda: started.append(True))
+    try:
+        settings.ORCHESTRATOR_QUEUE_WARM_AT_START = True
+        worker.process_started()
+        assert gc.get_freeze_count() > 1000  # the process's objects are out of the collector's view
+        assert planned == [True] and started == [True]
+        settings.ORCHESTRATOR_QUEUE_WARM_AT_START = False
+        worker.process_started()
+        assert planned == [True] and started == [True, True]
+    finally:
+        gc.unfreeze()
+
+
+def test_a_worker_whose_database_is_down_at_start_still_starts(settings, monkeypatch, recycle_restored):
+    def down():
+        raise OperationalError("connection refused")
+
+    monkeypatch.setattr("jobs.services.claim_warm", down)
+    started = []
+    monkeypatch.setattr(worker, "ensure_started", lambda: started.append(True))
+    settings.ORCHESTRATOR_QUEUE_WARM_AT_START = True
+    try:
+        worker.process_started()
+    finally:
+        gc.unfreeze()
+    assert started == [True]
