@@ -143,11 +143,12 @@ def claim_warm() -> None:
     10 ms on a new connection, paid by every claim queued behind it)."""
     if connection.vendor != "postgresql":
         return
-    limit = max(1, settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH)
-    params = claim_params(worker="", limit=limit, now=timezone.now())
+    params = claim_params(worker="", limit=1, now=timezone.now())
     with hot_cursor() as cursor:
-        cursor.execute("EXPLAIN " + fresh_sql(limit), {**params, "sort": "on", "seqscan": "on"})
-        cursor.execute("EXPLAIN " + claim_sql(limit), {**params, "fresh": []})
+        # a process's first claims take one job, its claims after quick jobs a full batch
+        for limit in sorted({1, max(1, settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH)}):
+            cursor.execute("EXPLAIN " + fresh_sql(limit), {**params, "batch": limit, "sort": "on", "seqscan": "on"})
+            cursor.execute("EXPLAIN " + claim_sql(limit), {**params, "batch": limit, "fresh": []})
 
 
 def claim_params(*, worker: str, limit: int, now) -> dict:
