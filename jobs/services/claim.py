@@ -104,8 +104,13 @@ def jobs_claim(*, worker: str, limit: int, now=None) -> list[Job]:
 
 
 def _claim(limit: int, params: dict) -> list[Job]:
-    with transaction.atomic():
-        with hot_cursor() as cursor:
+    """The claim's transaction holds the claim lock until its commit, so it does only what must be
+    atomic with the claim. On PostgreSQL that is the claim statement alone (with the events and the
+    lanes' streaks): its rows are read after the commit, and each job's bookkeeping (its
+    transition log line, its ``on_started`` hook) is registered after it everywhere."""
+    cursor = hot_cursor()
+    try:
+        with transaction.atomic():
             if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
                 cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
                 _, sort, seqscan, _, _ = cursor.fetchone()
@@ -114,26 +119,37 @@ def _claim(limit: int, params: dict) -> list[Job]:
                 if not params["fresh"]:
                     return []  # no eligible job (an aged one would have been picked too): no claim statement
             cursor.execute(claim_sql(limit), params)
+            if not events_inline():
+                claimed = _jobs_from_rows(cursor.fetchall())
+                if claimed:
+                    _claimed_write(claimed)
+        if events_inline():  # committed: the rows the statement returned are decoded outside the lock
             claimed = _jobs_from_rows(cursor.fetchall())
-        if not claimed:
-            return []
-        claimed.sort(key=lambda job: job.slot)  # slots were handed out in claim order
-        _lanes_streak(claimed)
-        if not events_inline():
-            events_record([{"type": JOB_STATE_EVENTS[JobState.EXECUTING], "organization_id": job.organization_id,
-                            "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
-                           for job in claimed])
-        for job in claimed:
-            # No way leads back to queued (seed 000's matrix): a job waited queued before its
-            # first attempt, awaiting_tool before any later one.
-            before = JobState.QUEUED if job.attempts == 1 else JobState.AWAITING_TOOL
-            transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
-                           attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="",
-                           **_trace_fields(job))
-            definition = definition_get(job.type)
-            if definition is not None:
-                _after_commit_hook(definition, "on_started", job)
+    finally:
+        cursor.close()
+    claimed.sort(key=lambda job: job.slot)  # slots were handed out in claim order
+    # Committed (or, inside a caller's transaction, written with it: both go to its commit).
+    for job in claimed:
+        # No way leads back to queued (seed 000's matrix): a job waited queued before its
+        # first attempt, awaiting_tool before any later one.
+        before = JobState.QUEUED if job.attempts == 1 else JobState.AWAITING_TOOL
+        transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
+                       attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="",
+                       **_trace_fields(job))
+        definition = definition_get(job.type)
+        if definition is not None:
+            _after_commit_hook(definition, "on_started", job)
     return claimed
+
+
+def _claimed_write(claimed: list[Job]) -> None:
+    """Where the claim statement cannot write them itself (SQLite): the lanes' streaks and the events
+    (in claim order)."""
+    claimed.sort(key=lambda job: job.slot)
+    _lanes_streak(claimed)
+    events_record([{"type": JOB_STATE_EVENTS[JobState.EXECUTING], "organization_id": job.organization_id,
+                    "project_id": job.project_id, "run_id": job.run_id, "payload": job_as_dict(job)}
+                   for job in claimed])
 
 
 def claim_warm() -> None:

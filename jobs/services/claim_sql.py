@@ -15,9 +15,9 @@ One ``UPDATE ... FROM <chosen> RETURNING`` does the whole claim (``jobs_claim``)
    organization's n-th free slot (none free: the job stays queued);
 5. ``chosen``: the n-th remaining job gets the n-th free global slot, at most ``batch`` jobs; a job
    whose type is claimed alone (``claim_alone``) only heads a batch of one (the batch ends before it);
-6. on PostgreSQL, ``claimed`` and ``events``: the claimed rows' events are inserted by the same
-   statement (their payloads built as ``job_as_dict`` builds them), so the claim lock is not held
-   over another round trip.
+6. on PostgreSQL, ``claimed``, ``events`` and ``streaks``: the claimed rows' events are inserted
+   (their payloads built as ``job_as_dict`` builds them) and their lanes' interactive streaks
+   updated by the same statement, so the claim lock is not held over another round trip.
 
 Slots are handed out in claim order (the lowest first), so ordering the claimed rows by slot
 gives the claim order back. Every constant of the statement (the waiting states, the number of
@@ -196,8 +196,20 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), s
         " organization_slot = chosen.organization_slot, worker = %(worker)s, not_before = NULL,"
         " started_at = COALESCE(started_at, %(now)s), lease_expires_at = %(lease)s, updated_at = %(touched)s"
         f" FROM chosen WHERE {job}.id = chosen.id RETURNING {columns}"
-        + (f"), events AS ({_events_insert()}) SELECT * FROM claimed" if events_inline else "")
+        + (f"), events AS ({_events_insert()}), streaks AS ({_streaks_update()}) SELECT * FROM claimed"
+           if events_inline else "")
     )
+
+
+def _streaks_update() -> str:
+    """The aging guard's count of each claimed job's lane (as ``claim._lanes_streak``): an interactive
+    job adds one to its lane's streak, a background job resets it (a batch holds at most one job per
+    lane, so no lane row is updated twice)."""
+    qn = connection.ops.quote_name
+    lane = qn(JobLane._meta.db_table)
+    return (f"UPDATE {lane} l SET interactive_streak = CASE WHEN c.priority_class = "
+            f"{_literal(PriorityClass.INTERACTIVE)} THEN l.interactive_streak + 1 ELSE 0 END,"
+            f" updated_at = %(touched)s FROM claimed c WHERE l.{qn('key')} = c.lane AND c.lane <> ''")
 
 
 def _iso(column: str) -> str:

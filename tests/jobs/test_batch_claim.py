@@ -14,7 +14,7 @@ from django.test.utils import CaptureQueriesContext
 from core.models import Event
 from jobs.events import JOB_COMPLETED, JOB_STARTED
 from jobs.executor import jobs_run_claimed
-from jobs.models import Job, JobState
+from jobs.models import Job, JobLane, JobState
 from jobs.services import job_claim, job_complete, job_enqueue, jobs_claim, jobs_complete, queue_pause
 from tests.jobs.racing import race
 
@@ -346,3 +346,20 @@ def test_each_claimed_job_has_its_executing_event_as_the_api_shows_the_job(proje
     assert events[1].payload["sourceSessionId"] == "s-1" and "runId" not in events[0].payload
     assert all(event.project_id == project.pk and event.organization_id == project.organization_id
                for event in events)
+
+
+def test_a_claim_counts_each_lanes_interactive_streak_and_a_background_job_resets_it(project, types, settings):
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    interactive = enqueue(project, "fg", lane="a", n=1)
+    background = enqueue(project, "bg", lane="b", n=2)
+    JobLane.objects.filter(key=background.lane).update(interactive_streak=2)
+    claimed = jobs_claim(worker="w1", limit=10)
+    assert {job.pk for job in claimed} == {interactive.pk, background.pk}
+    streaks = dict(JobLane.objects.filter(key__in=[interactive.lane, background.lane])
+                   .values_list("key", "interactive_streak"))
+    assert streaks == {interactive.lane: 1, background.lane: 0}
+    for job in claimed:
+        job_complete(job_id=job.pk, attempt=1, result={})
+    enqueue(project, "fg", lane="a", n=3)
+    assert len(jobs_claim(worker="w1", limit=10)) == 1
+    assert JobLane.objects.get(key=interactive.lane).interactive_streak == 2
