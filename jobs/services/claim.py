@@ -4,6 +4,7 @@ of a batch of jobs in one statement (``jobs_claim``; SQL built once per process 
 from __future__ import annotations
 
 import logging
+import weakref
 from datetime import timedelta
 
 from django.conf import settings
@@ -112,10 +113,7 @@ def _claim(limit: int, params: dict) -> list[Job]:
     try:
         with transaction.atomic():
             if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
-                cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
-                _, sort, seqscan, _, _ = cursor.fetchone()
-                cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
-                params = {**params, "fresh": cursor.fetchone()[1] or []}
+                params = {**params, "fresh": _lock_and_pick(cursor, limit, params)}
                 if not params["fresh"]:
                     return []  # no eligible job (an aged one would have been picked too): no claim statement
             cursor.execute(claim_sql(limit), params)
@@ -140,6 +138,32 @@ def _claim(limit: int, params: dict) -> list[Job]:
         if definition is not None:
             _after_commit_hook(definition, "on_started", job)
     return claimed
+
+
+# The planner settings ``LOCK_SQL`` turns off and the pick gives back, as each connection's session
+# has them (read by the connection's first claim; nothing of ours sets them for a session).
+_SESSION_PLANNER: "weakref.WeakKeyDictionary[object, tuple[str, str]]" = weakref.WeakKeyDictionary()
+
+
+def _lock_and_pick(cursor, limit: int, params: dict) -> list[int]:
+    """The claim lock, then the pick of the fresh candidates under it: the ids picked (locked).
+
+    Both are sent in one round trip (psycopg's pipeline mode) once the connection's planner
+    settings are known: the lock is held from its statement to the commit, and every round trip
+    in between is a moment its holder may lose the CPU to another process while the others wait."""
+    raw = connection.connection
+    known = _SESSION_PLANNER.get(raw)
+    if known is None:
+        cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
+        _, sort, seqscan, _, _ = cursor.fetchone()
+        _SESSION_PLANNER[raw] = (sort, seqscan)
+        cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
+        return cursor.fetchone()[1] or []
+    sort, seqscan = known
+    with raw.pipeline():
+        cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
+        cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
+    return cursor.fetchone()[1] or []
 
 
 def _claimed_write(claimed: list[Job]) -> None:
