@@ -102,18 +102,38 @@ def _literal(value: str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
+def _claim_index_states() -> list[str]:
+    """The waiting states as the claim index's condition lists them (``job_claim_order_idx``):
+    SQLite uses a partial index only for a query whose condition is written as the index's, in the
+    same order (the states sorted otherwise, it read and sorted the whole job table at every claim)."""
+    index = next(index for index in Job._meta.indexes if index.name == "job_claim_order_idx")
+    (_, states), = index.condition.children
+    assert set(states) == set(WAITING_JOB_STATES), "the claim index must cover exactly the waiting states"
+    return list(states)
+
+
+def _indexed_by(index: str) -> str:
+    """SQLite's ``INDEXED BY``: its planner, whose statistics say nearly every job has one state
+    (they are mostly completed), would otherwise scan a whole index of the job table for the few
+    executing jobs, at every claim; the query's condition implies the partial index's. Nothing elsewhere."""
+    return f" INDEXED BY {connection.ops.quote_name(index)}" if connection.vendor == "sqlite" else ""
+
+
 def _eligible() -> str:
     """The claim's test of a waiting job (alias ``j``): past ``not_before``, its lane idle, its
-    organization below its executing cap, its queues not paused."""
+    organization below its executing cap, its queues not paused. The executing jobs are read
+    through the partial indexes that hold only them."""
     qn = connection.ops.quote_name
     job, pause = qn(Job._meta.db_table), qn(QueuePause._meta.db_table)
-    waiting = ", ".join(_literal(state) for state in sorted(WAITING_JOB_STATES))
+    waiting = ", ".join(_literal(state) for state in _claim_index_states())
     executing = _literal(JobState.EXECUTING)
     return (
         f"j.state IN ({waiting})"
         " AND (j.not_before IS NULL OR j.not_before <= %(now)s)"
-        f" AND NOT (j.lane IN (SELECT b.lane FROM {job} b WHERE b.state = {executing} AND b.lane <> ''))"
-        f" AND NOT (j.organization_id IN (SELECT o.organization_id FROM {job} o WHERE o.state = {executing}"
+        f" AND NOT (j.lane IN (SELECT b.lane FROM {job} b{_indexed_by('job_one_executing_per_lane')}"
+        f" WHERE b.state = {executing} AND NOT (b.lane = '')))"
+        f" AND NOT (j.organization_id IN (SELECT o.organization_id FROM {job} o"
+        f"{_indexed_by('job_one_executing_per_organization_slot')} WHERE o.state = {executing}"
         " GROUP BY o.organization_id HAVING COUNT(*) >= %(organization_cap)s))"
         # a paused queue (its project's or its type's): passed over, its jobs keep their place. Two
         # hashed filters, not an anti-join: the planner keeps walking the claim index in order.
@@ -158,8 +178,10 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), s
         # from the saturated lanes (few; their index) to their waiting jobs (the lane index)
         f" saturated AS {materialized}(SELECT l.{qn('key')} AS lane FROM {lane} l"
         " WHERE l.interactive_streak >= %(burst)s),"
+        # (a CROSS JOIN keeps SQLite's loop over the saturated lanes outside: joined the other way,
+        # it read every job of the lane index)
         f" aged AS (SELECT j.id, j.lane, j.organization_id, j.type, j.queued_at FROM saturated l"
-        f" JOIN {job} j ON j.lane = l.lane WHERE {eligible}"
+        f" CROSS JOIN {job} j{_indexed_by('job_lane_state_idx')} WHERE j.lane = l.lane AND {eligible}"
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
         + (f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"

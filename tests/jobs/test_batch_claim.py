@@ -363,3 +363,35 @@ def test_a_claim_counts_each_lanes_interactive_streak_and_a_background_job_reset
     enqueue(project, "fg", lane="a", n=3)
     assert len(jobs_claim(worker="w1", limit=10)) == 1
     assert JobLane.objects.get(key=interactive.lane).interactive_streak == 2
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's planner: PostgreSQL's plan is checked above")
+def test_the_sqlite_claim_reads_the_job_table_through_its_indexes_only(project, types, settings):
+    """SQLite's statistics say nearly every job has one state (most are completed), and it uses a
+    partial index only for a condition written as the index's: the claim statement names the claim
+    index's states in its order and the partial indexes of executing jobs, so a claim reads no whole
+    table or index of jobs however many there are (it read and sorted them all before)."""
+    from django.utils import timezone
+
+    from jobs.services.claim import claim_params
+    from jobs.services.claim_sql import claim_sql
+
+    Job.objects.bulk_create([Job(type="bg", organization_id=project.organization_id, project=project,
+                                 state=JobState.COMPLETED, payload={}, lane=f"lane-{n % 50}")
+                             for n in range(2000)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+        for limit in (1, 32):
+            cursor.execute("EXPLAIN QUERY PLAN " + claim_sql(limit),
+                           claim_params(worker="w1", limit=limit, now=timezone.now()))
+            steps = [row[3] for row in cursor.fetchall()]
+            # the job table's aliases j, b and e (o is also a derived table's): read through an index
+            job_reads = [step for step in steps if step.split(" ")[:2] in (["SCAN", "j"], ["SEARCH", "j"],
+                                                                           ["SCAN", "b"], ["SCAN", "e"],
+                                                                           ["SEARCH", "e"])]
+            assert job_reads and all(" USING INDEX job_" in step for step in job_reads), steps
+            assert "SCAN j USING INDEX job_claim_order_idx" in steps, steps  # in claim order: no sort
+            assert "SCAN b USING INDEX job_one_executing_per_lane" in steps, steps
+            assert "SCAN o USING INDEX job_one_executing_per_organization_slot" in steps, steps
+    enqueue(project, "bg", lane="x", n=1)
+    assert len(jobs_claim(worker="w1", limit=4)) == 1
