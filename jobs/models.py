@@ -241,6 +241,21 @@ class Job(ConcurrentTransitions, models.Model):
     to_cancelled = StateMove(state, source=_sources(S.CANCELLED), target=S.CANCELLED)
 
 
+def index_states(name: str) -> list[str]:
+    """The states a partial index of the job table names in its condition (``state__in``), in its
+    order. SQLite uses a partial index only for a query whose condition is written as the index's,
+    the same terms in the same order: a query of those jobs names them so."""
+    index = next(index for index in Job._meta.indexes if index.name == name)
+    pending = list(index.condition.children)
+    while pending:
+        child = pending.pop(0)
+        if isinstance(child, models.Q):
+            pending.extend(child.children)
+        elif child[0] == "state__in":
+            return list(child[1])
+    raise LookupError(f"index {name} names no states")
+
+
 class JobLane(models.Model):
     """Per-lane fairness state: consecutive interactive jobs started (the aging guard)."""
 

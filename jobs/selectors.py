@@ -18,7 +18,6 @@ from django.utils import timezone
 from core.sql import db, hot_cursor, per_vendor, subqueries_row
 from core.timefmt import isoformat_or_none
 from jobs.models import (
-    ACTIVE_JOB_STATES,
     NOT_STARTED_JOB_STATES,
     WAITING_JOB_STATES,
     Job,
@@ -28,6 +27,7 @@ from jobs.models import (
     PriorityClass,
     QueuePause,
     WorkerHeartbeat,
+    index_states,
 )
 from jobs.services import jobs_eligible, organization_max_executing
 
@@ -374,9 +374,10 @@ def maintenance_due(now) -> dict[str, bool]:
     (``job_claim_order_idx``). The duties' own scans run only when their probe says so."""
     probes = {
         "recover": Job.objects.filter(state=JobState.EXECUTING, lease_expires_at__lt=now),
-        "deadlines": Job.objects.filter(state__in=sorted(ACTIVE_JOB_STATES), deadline_at__lt=now),
+        # the states as the partial indexes name them, in their order (``index_states``: SQLite)
+        "deadlines": Job.objects.filter(state__in=index_states("job_active_deadline_idx"), deadline_at__lt=now),
         "interrupts": Job.objects.filter(state=JobState.EXECUTING, cancel_requested_at__isnull=False),
-        "waiting": Job.objects.filter(state__in=sorted(WAITING_JOB_STATES)),
+        "waiting": Job.objects.filter(state__in=index_states("job_claim_order_idx")),
     }
     return {name: bool(value) for name, value in subqueries_row(probes, wrap="EXISTS ({})", limit=1).items()}
 

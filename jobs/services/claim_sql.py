@@ -34,7 +34,7 @@ from django.db import connection
 
 from core.models import Event
 from jobs.events import JOB_STATE_EVENTS
-from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
+from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause, index_states
 from jobs.registry import claim_alone_types, spread_runs_types
 from jobs.services.common import _job_columns
 
@@ -106,10 +106,9 @@ def _claim_index_states() -> list[str]:
     """The waiting states as the claim index's condition lists them (``job_claim_order_idx``):
     SQLite uses a partial index only for a query whose condition is written as the index's, in the
     same order (the states sorted otherwise, it read and sorted the whole job table at every claim)."""
-    index = next(index for index in Job._meta.indexes if index.name == "job_claim_order_idx")
-    (_, states), = index.condition.children
+    states = index_states("job_claim_order_idx")
     assert set(states) == set(WAITING_JOB_STATES), "the claim index must cover exactly the waiting states"
-    return list(states)
+    return states
 
 
 def _indexed_by(index: str) -> str:

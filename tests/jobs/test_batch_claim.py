@@ -395,3 +395,27 @@ def test_the_sqlite_claim_reads_the_job_table_through_its_indexes_only(project, 
             assert "SCAN o USING INDEX job_one_executing_per_organization_slot" in steps, steps
     enqueue(project, "bg", lane="x", n=1)
     assert len(jobs_claim(worker="w1", limit=4)) == 1
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's planner")
+def test_the_sqlite_maintenance_probe_reads_no_whole_job_table(project, types):
+    """The maintenance probe's questions of waiting jobs and of deadlines name the states as their
+    partial indexes do, so SQLite answers them from those indexes, not by reading every job."""
+    from django.test.utils import CaptureQueriesContext
+    from django.utils import timezone
+
+    from jobs.selectors import maintenance_due
+
+    Job.objects.bulk_create([Job(type="bg", organization_id=project.organization_id, project=project,
+                                 state=JobState.COMPLETED, payload={}) for _ in range(2000)])
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    with CaptureQueriesContext(connection) as captured:
+        assert maintenance_due(timezone.now()) == {"recover": False, "deadlines": False, "interrupts": False,
+                                                   "waiting": False}
+    (probe,) = [query["sql"] for query in captured.captured_queries]
+    with connection.cursor() as cursor:
+        cursor.execute("EXPLAIN QUERY PLAN " + probe)
+        steps = [row[3] for row in cursor.fetchall()]
+    assert not [step for step in steps if step.startswith("SCAN jobs_job")], steps  # each probe a search
+    assert any("job_active_deadline_idx" in step for step in steps), steps
