@@ -15,7 +15,7 @@ from django.utils import timezone
 from core.services import events_record, transition_log
 from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
-from jobs.models import WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass, QueuePause
+from jobs.models import Job, JobLane, JobState, PriorityClass, QueuePause, index_states
 from jobs.registry import definition_get, spread_runs_types
 from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, events_inline, fresh_sql
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
@@ -36,7 +36,7 @@ def jobs_eligible(now):
     busy_organizations = (Job.objects.filter(state=JobState.EXECUTING).order_by().values("organization_id")
                           .annotate(n=Count("id")).filter(n__gte=organization_max_executing())
                           .values("organization_id"))
-    return (Job.objects.filter(state__in=list(WAITING_JOB_STATES))
+    return (Job.objects.filter(state__in=index_states("job_claim_order_idx"))  # as the claim index names them
             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
             .exclude(lane__in=Subquery(busy_lanes))
             .exclude(organization_id__in=Subquery(busy_organizations))
