@@ -54,11 +54,31 @@ def ledger_triggers_lifted(connection):
 _original_execute_sql_flush = BaseDatabaseOperations.execute_sql_flush
 
 
+# A flush waits for every other session's locks on the tables it empties; a session a test left
+# inside a transaction would hold it forever. It gives up after this long and names the sessions.
+FLUSH_LOCK_TIMEOUT = "60s"
+
+
 def _execute_sql_flush(self, sql_list):
     if any(LEDGER_TABLE in sql for sql in sql_list):
         before, after = lift_sql(self.connection)
         sql_list = [*before, *sql_list, *after]
-    return _original_execute_sql_flush(self, sql_list)
+    if self.connection.vendor != "postgresql":
+        return _original_execute_sql_flush(self, sql_list)
+    try:
+        return _original_execute_sql_flush(self, [f"SET LOCAL lock_timeout = '{FLUSH_LOCK_TIMEOUT}'", *sql_list])
+    except Exception as error:
+        if "lock timeout" not in str(error):
+            raise
+        raise RuntimeError(f"the flush between tests waited {FLUSH_LOCK_TIMEOUT} for these sessions' locks: "
+                           f"{_other_sessions(self.connection)}") from error
+
+
+def _other_sessions(connection) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pid, application_name, state, backend_xid IS NOT NULL, left(query, 200)"
+                       " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        return list(cursor.fetchall())
 
 
 def flush_lifting_ledger_triggers() -> None:

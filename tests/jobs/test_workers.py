@@ -20,11 +20,20 @@ from tests.processes import BASE_DIR, Cluster, flush_redis, redis_available, wai
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
+# START_GATE: a directory where each process says it is ready, then waits for the others, so
+# all of them claim from the start (one slow to start would otherwise find the queue drained).
 DRAIN_LOOP = """
-import django, os, time
+import django, os, pathlib, time
 django.setup()
+from django.db import connection
 from jobs.tasks import drain
 from jobs.models import Job
+connection.ensure_connection()
+gate = pathlib.Path(os.environ["START_GATE"])
+(gate / str(os.getpid())).touch()
+deadline = time.monotonic() + 60
+while len(list(gate.iterdir())) < int(os.environ["START_GATE_COUNT"]) and time.monotonic() < deadline:
+    time.sleep(0.01)
 idle = 0
 while idle < 20:
     idle = idle + 1 if drain() == 0 else 0
@@ -66,7 +75,7 @@ def test_concurrent_single_flight_enqueues_create_one_job(project, define_job, m
 
 @pytest.mark.postgres
 @pytest.mark.slow
-def test_four_worker_processes_execute_every_job_exactly_once(project, monkeypatch):
+def test_four_worker_processes_execute_every_job_exactly_once(project, monkeypatch, tmp_path):
     monkeypatch.setattr("jobs.wake._send", lambda count: None)
     monkeypatch.setenv("ORCHESTRATOR_QUEUE_MAX_PER_PROJECT", "100000")
     from django.conf import settings
@@ -76,7 +85,8 @@ def test_four_worker_processes_execute_every_job_exactly_once(project, monkeypat
     ids = {job_enqueue(job_type="probe", project=project, payload={"value": n}).job.pk for n in range(2000)}
     env = worker_env(ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY=4)
     workers = [subprocess.Popen([sys.executable, "-c", DRAIN_LOOP], cwd=BASE_DIR,
-                                env={**env, "DJANGO_SETTINGS_MODULE": "orchestrator_site.settings"})
+                                env={**env, "DJANGO_SETTINGS_MODULE": "orchestrator_site.settings",
+                                     "START_GATE": str(tmp_path), "START_GATE_COUNT": "4"})
                for _ in range(4)]
     try:
         for process in workers:
