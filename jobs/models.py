@@ -154,7 +154,7 @@ class Job(ConcurrentTransitions, models.Model):
     cancel_reason = models.TextField(blank=True, default="")
     source_session_id = models.CharField(max_length=200, blank=True, default="")
     thread_id = models.CharField(max_length=200, blank=True, default="")
-    run_id = models.BigIntegerField(null=True, blank=True, db_index=True)
+    run_id = models.BigIntegerField(null=True, blank=True)
     traceparent = models.CharField(max_length=55, blank=True, default="",
                                    help_text="W3C trace context of the span that enqueued it (tracing on)")
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
@@ -186,6 +186,8 @@ class Job(ConcurrentTransitions, models.Model):
             # The executing jobs of a run: the claim's probe of a run's busy state (``spread_runs``),
             # whatever the number of jobs the run has had.
             models.Index(fields=["run_id"], name="job_executing_run_idx", condition=models.Q(state="executing")),
+            # A run's jobs; the jobs outside any run (most of a busy queue's) are not in it.
+            models.Index(fields=["run_id"], name="job_run_idx", condition=models.Q(run_id__isnull=False)),
             # Active jobs with a deadline: the maintenance probe and the deadline sweep.
             models.Index(fields=["deadline_at"], name="job_active_deadline_idx",
                          condition=models.Q(deadline_at__isnull=False) & models.Q(
@@ -197,7 +199,9 @@ class Job(ConcurrentTransitions, models.Model):
                                     name="job_one_executing_per_lane"),
             models.UniqueConstraint(fields=["slot"], condition=models.Q(state="executing"),
                                     name="job_one_executing_per_slot"),
-            models.UniqueConstraint(fields=["active_dedupe_key"], name="job_unique_active_dedupe_key"),
+            # Only the jobs that hold a key are in it (most hold none; NULLs never conflict anyway).
+            models.UniqueConstraint(fields=["active_dedupe_key"], name="job_unique_active_dedupe_key",
+                                    condition=models.Q(active_dedupe_key__isnull=False)),
             models.CheckConstraint(condition=models.Q(state="executing") | models.Q(slot__isnull=True),
                                    name="job_slot_only_while_executing"),
             models.UniqueConstraint(fields=["organization", "organization_slot"], condition=models.Q(state="executing"),
