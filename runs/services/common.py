@@ -125,8 +125,12 @@ def _lock_run_of_sql(model, reads: str = "") -> str:
     if reads:
         step, task, agent = (qn(node._meta.db_table) for node in (Step, Task, Agent))
         columns += [_STEP_ROWS.columns("s"), _TASK_ROWS.columns("t"), _AGENT_ROWS.columns("g")]
-        joins.append(f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g"
-                     " ON g.id = t.agent_id) ON s.run_id = r.id AND t.run_id = r.id AND g.run_id = r.id"
+        # Outer joins one after the other, each on an index (the run's steps, then each one's task and
+        # agent by id): SQLite read a nested join ``(s JOIN t JOIN g)`` by scanning every run's
+        # agents, so a step cost more as the history grew. A step of an earlier attempt comes with
+        # no agent, and ``_tree_steps`` passes it over.
+        joins.append(f" LEFT JOIN {step} s ON s.run_id = r.id LEFT JOIN {task} t ON t.id = s.task_id"
+                     f" AND t.run_id = r.id LEFT JOIN {agent} g ON g.id = t.agent_id AND g.run_id = r.id"
                      " AND g.attempt_number = r.attempt_number")
     return (f"SELECT {', '.join(columns)} FROM {qn(Run._meta.db_table)} r"
             f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id{''.join(joins)}"

@@ -64,16 +64,16 @@ _TREE_WIDTH = _STEP_ROWS.width + _TASK_ROWS.width + _AGENT_ROWS.width
 
 def _tree_steps(rows, start: int = 0) -> list[Step]:
     """The steps of rows holding a step's, its task's and its agent's columns from ``start`` (the tree
-    statement's), one object per node; a row whose step is NULL (an outer join's) holds none."""
+    statement's), one object per node; a row whose agent is NULL (an outer join's: no step, or a
+    step of an earlier attempt) holds none."""
     tasks: dict[int, Task] = {}
     agents: dict[int, Agent] = {}
     steps = []
-    step_pk = start + _STEP_ROWS.names.index("id")
     task_at, agent_at = start + _STEP_ROWS.width, start + _STEP_ROWS.width + _TASK_ROWS.width
     task_pk, agent_pk = task_at + _TASK_ROWS.names.index("id"), agent_at + _AGENT_ROWS.names.index("id")
     conn = db()
     for row in rows:
-        if row[step_pk] is None:
+        if row[agent_pk] is None:
             continue
         step = _STEP_ROWS.load(row, start, conn)
         task = tasks.get(row[task_pk])
