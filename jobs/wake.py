@@ -49,14 +49,19 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _send(count: int) -> None:
+def _client():
     from django_q.brokers import get_broker
-    from django_q.tasks import async_task
 
     with _lock:
         if _broker["client"] is None:
             _broker["client"] = get_broker()
-        broker = _broker["client"]
+        return _broker["client"]
+
+
+def _send(count: int) -> None:
+    from django_q.tasks import async_task
+
+    broker = _client()
     try:
         for _ in range(count):
             async_task("jobs.tasks.drain", save=False, ack_failure=True, broker=broker)
@@ -65,8 +70,22 @@ def _send(count: int) -> None:
         raise
 
 
+def waiting_messages() -> int:
+    """Wake messages in the broker that no cluster has taken yet (0 when the broker cannot say)."""
+    try:
+        return _client().queue_size() or 0
+    except Exception:
+        logger.debug("could not read the broker's queue size", exc_info=True)
+        return 0
+
+
 def wake_workers(count: int = 1, *, force: bool = False) -> int:
-    """Send up to ``count`` wake messages (coalesced unless ``force``). Returns how many were sent."""
+    """Make sure ``count`` wake messages wait in the broker (coalesced unless ``force``): the
+    messages no cluster has taken yet (``waiting_messages``) count, as
+    each starts a drain after this call, which claims until the queue is empty; only the rest are
+    sent. A message costs more than the read: on the ORM broker it is three write transactions
+    (insert, lease, delete), and a drain that finds the jobs taken costs a claim. Returns how
+    many were sent."""
     global _last_wake, _deferred
     if count <= 0:
         return 0
@@ -81,6 +100,9 @@ def wake_workers(count: int = 1, *, force: bool = False) -> int:
                 _deferred.start()
             return 0
         _last_wake = now
+    count -= waiting_messages()
+    if count <= 0:
+        return 0
     try:
         _send(count)
     except Exception:  # the broker is down: the pump re-issues once it is back
@@ -147,17 +169,6 @@ def linger(listening: bool, until: float) -> bool:
     except Exception:  # the connection broke: the next statement reconnects, the usual path goes on
         logger.warning("lingering for jobs stopped: the database connection failed", exc_info=True)
     return False
-
-
-def broker_backlog() -> int:
-    """Messages waiting in the broker (not leased by a worker)."""
-    from django_q.brokers import get_broker
-
-    try:
-        return get_broker().queue_size() or 0
-    except Exception:
-        logger.exception("could not read the broker's queue size")
-        return 0
 
 
 def worker_count() -> int:

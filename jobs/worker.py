@@ -237,7 +237,7 @@ def maintain() -> dict[str, int]:
     each one did."""
     from jobs import services
     from jobs.selectors import maintenance_due
-    from jobs.wake import broker_backlog, wake_workers, worker_count
+    from jobs.wake import wake_workers, worker_count
 
     now = timezone.now()
     due = maintenance_due(now)
@@ -255,9 +255,6 @@ def maintain() -> dict[str, int]:
     if due["waiting"] or done["recovered"]:
         eligible = services.jobs_eligible(now).count()
         if eligible:
-            backlog = broker_backlog()
-            wanted = min(eligible, worker_count()) - backlog
-            if wanted > 0:
-                sent = wake_workers(wanted, force=True)
+            sent = wake_workers(min(eligible, worker_count()), force=True)  # less the messages waiting
     done["woken"] = sent
     return done

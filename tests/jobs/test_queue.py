@@ -531,3 +531,38 @@ def test_wake_messages_go_through_one_broker_client_per_process_rebuilt_after_a_
     assert wake.wake_workers(1, force=True) == 1 and len(clients) == 2 and len(clients[1].sent) == 1
     wake._after_fork_in_child()
     assert wake.wake_workers(1, force=True) == 1 and len(clients) == 3
+
+
+def test_messages_no_cluster_has_taken_count_toward_a_wake(db, monkeypatch, settings):
+    """Each message still in the broker starts a drain after the wake, and a drain claims until the
+    queue is empty: a wake sends only the messages missing, and none while enough wait."""
+    from django_q.models import OrmQ
+
+    from jobs import wake
+
+    if "orm" not in settings.Q_CLUSTER:
+        pytest.skip("the ORM broker's table is read here (the suite runs without REDIS_URL)")
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
+    monkeypatch.setattr("jobs.wake._send", REAL_SEND)
+    monkeypatch.setitem(wake._broker, "client", None)
+    assert wake.waiting_messages() == 0
+    assert wake.wake_workers(2, force=True) == 2 and wake.waiting_messages() == 2
+    assert wake.wake_workers(2, force=True) == 0 and wake.wake_workers(1) == 0
+    assert wake.wake_workers(3, force=True) == 1 and OrmQ.objects.count() == 3
+    taken = wake._client().dequeue()  # a cluster leases what it takes: those no longer count
+    assert taken and wake.waiting_messages() == 3 - len(taken)
+    assert wake.wake_workers(3, force=True) == len(taken) and wake.waiting_messages() == 3
+
+
+def test_a_wake_goes_out_when_the_broker_cannot_say_what_waits(db, monkeypatch):
+    from jobs import wake
+
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+
+    class Broker:
+        def queue_size(self):
+            raise ConnectionError("broker down")
+
+    monkeypatch.setitem(wake._broker, "client", Broker())
+    assert wake.wake_workers(2, force=True) == 2 and sent == [2]
