@@ -4,7 +4,7 @@ with the command's result or not at all, and a transaction's events are written 
 from __future__ import annotations
 
 import pytest
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 
 from billing.models import LedgerEntry
 from core.models import Event
@@ -345,3 +345,32 @@ def test_a_settlement_that_ends_the_run_writes_every_move_with_its_events_in_one
     assert events[events.index("step_running") + 1:] == [
         "ledger_charge", "step_completed", "task_completed", "agent_completed", "ledger_refund", "run_completed"]
     assert invariants_check() == []
+
+
+@pytest.mark.skipif(connection.vendor != "sqlite", reason="SQLite's planner")
+def test_on_sqlite_a_step_begun_and_settled_reads_no_whole_table_of_nodes(project):
+    """On SQLite the run is read with its tree in one statement; joined as a nested group, the
+    nodes were read by scanning every run's agents, so a step cost more as the history grew."""
+    import re
+
+    from django.test.utils import CaptureQueriesContext
+
+    for n in range(4):
+        running(project, f"history-{n}", steps=2)
+    run = running(project, "this one", steps=2)
+    with connection.cursor() as cursor:
+        cursor.execute("ANALYZE")
+    step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
+    with CaptureQueriesContext(connection) as captured:
+        attempt = services.step_begin(step_id=step.pk)
+        services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True})
+    node_scans = []
+    with connection.cursor() as cursor:
+        for query in captured.captured_queries:
+            if not query["sql"].lstrip().upper().startswith(("SELECT", "WITH", "UPDATE", "INSERT", "DELETE")):
+                continue
+            cursor.execute("EXPLAIN QUERY PLAN " + query["sql"])
+            node_scans += [(row[3], query["sql"][:200]) for row in cursor.fetchall()
+                           if re.match(r"SCAN (runs_agent|runs_task|runs_step|g|t|s)\b", row[3])]
+    assert node_scans == []
+    assert StepAttempt.objects.get(pk=attempt.pk).outcome == "succeeded"
