@@ -3,6 +3,7 @@ of a batch of jobs in one statement (``jobs_claim``; SQL built once per process 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from datetime import timedelta
@@ -17,7 +18,7 @@ from core.sql import hot_cursor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobLane, JobState, PriorityClass, QueuePause, index_states
 from jobs.registry import definition_get, spread_runs_types
-from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, claim_sql, events_inline, fresh_sql
+from jobs.services.claim_sql import CLAIM_LOCK_KEY, LOCK_SQL, RESTORE_SQL, claim_sql, events_inline, fresh_sql
 from jobs.services.common import _after_commit_hook, _jobs_from_rows, _trace_fields, job_as_dict
 
 logger = logging.getLogger("orchestrator.jobs")
@@ -109,22 +110,9 @@ def _claim(limit: int, params: dict) -> list[Job]:
     atomic with the claim. On PostgreSQL that is the claim statement alone (with the events and the
     lanes' streaks): its rows are read after the commit, and each job's bookkeeping (its
     transition log line, its ``on_started`` hook) is registered after it everywhere."""
-    cursor = hot_cursor()
-    try:
-        with transaction.atomic():
-            if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
-                params = {**params, "fresh": _lock_and_pick(cursor, limit, params)}
-                if not params["fresh"]:
-                    return []  # no eligible job (an aged one would have been picked too): no claim statement
-            cursor.execute(claim_sql(limit), params)
-            if not events_inline():
-                claimed = _jobs_from_rows(cursor.fetchall())
-                if claimed:
-                    _claimed_write(claimed)
-        if events_inline():  # committed: the rows the statement returned are decoded outside the lock
-            claimed = _jobs_from_rows(cursor.fetchall())
-    finally:
-        cursor.close()
+    claimed = _claim_in_one_round_trip(limit, params)
+    if claimed is None:
+        claimed = _claim_in_transaction(limit, params)
     claimed.sort(key=lambda job: job.slot)  # slots were handed out in claim order
     # Committed (or, inside a caller's transaction, written with it: both go to its commit).
     for job in claimed:
@@ -138,6 +126,73 @@ def _claim(limit: int, params: dict) -> list[Job]:
         if definition is not None:
             _after_commit_hook(definition, "on_started", job)
     return claimed
+
+
+def _claim_in_transaction(limit: int, params: dict) -> list[Job]:
+    """The claim in a transaction of Django's (its own, or the caller's it joins)."""
+    joined = connection.in_atomic_block  # a caller's transaction goes on after the claim
+    cursor = hot_cursor()
+    try:
+        with transaction.atomic():
+            if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
+                if not _lock_and_pick(cursor, limit, params):
+                    _seqscan_restore(joined)
+                    return []  # no eligible job (an aged one would have been picked too): no claim statement
+            cursor.execute(claim_sql(limit), params)
+            if connection.vendor == "postgresql":
+                _seqscan_restore(joined)
+            if not events_inline():
+                claimed = _jobs_from_rows(cursor.fetchall())
+                if claimed:
+                    _claimed_write(claimed)
+        if events_inline():  # committed: the rows the statement returned are decoded outside the lock
+            claimed = _jobs_from_rows(cursor.fetchall())
+    finally:
+        cursor.close()
+    return claimed
+
+
+def _seqscan_restore(joined: bool) -> None:
+    """In a caller's transaction, which goes on after the claim: sequential scans as its session had
+    them (``LOCK_SQL`` turned them off for the pick and the claim statement; a transaction of the
+    claim's own ends with its commit, and the setting with it)."""
+    if joined:
+        with hot_cursor() as cursor:
+            cursor.execute(RESTORE_SQL, [_SESSION_PLANNER[connection.connection][1]])
+
+
+def _claim_in_one_round_trip(limit: int, params: dict) -> list[Job] | None:
+    """PostgreSQL, outside any transaction, once the connection's planner settings are known: the
+    claim's whole transaction (``BEGIN``, the lock, the pick, the claim statement, ``COMMIT``) sent
+    in one round trip (psycopg's pipeline mode), so the claim lock is held for the server's work
+    alone: between two round trips its holder may lose the CPU to another process while every
+    other claim waits. None where this does not apply (the claim then runs in a transaction of
+    Django's, ``_claim_in_transaction``). A statement that fails rolls the whole transaction back."""
+    if connection.vendor != "postgresql" or connection.in_atomic_block:
+        return None
+    connection.ensure_connection()
+    raw = connection.connection
+    known = _SESSION_PLANNER.get(raw)
+    if known is None:
+        return None
+    sort = known[0]
+    steps, claim = hot_cursor(), hot_cursor()
+    try:
+        try:  # (an error surfaces at the pipeline's end: Django's error classes all the same)
+            with connection.wrap_database_errors, raw.pipeline():
+                steps.execute("BEGIN")
+                steps.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
+                steps.execute(fresh_sql(limit), {**params, "sort": sort})
+                claim.execute(claim_sql(limit), params)
+                steps.execute("COMMIT")
+        except Exception:
+            with contextlib.suppress(Exception):  # a broken connection: Django replaces it on its next use
+                raw.rollback()
+            raise
+        return _jobs_from_rows(claim.fetchall())
+    finally:
+        steps.close()
+        claim.close()
 
 
 # The planner settings ``LOCK_SQL`` turns off and the pick gives back, as each connection's session
@@ -157,12 +212,12 @@ def _lock_and_pick(cursor, limit: int, params: dict) -> list[int]:
         cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
         _, sort, seqscan, _, _ = cursor.fetchone()
         _SESSION_PLANNER[raw] = (sort, seqscan)
-        cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
+        cursor.execute(fresh_sql(limit), {**params, "sort": sort})
         return cursor.fetchone()[1] or []
-    sort, seqscan = known
+    sort = known[0]
     with raw.pipeline():
         cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
-        cursor.execute(fresh_sql(limit), {**params, "sort": sort, "seqscan": seqscan})
+        cursor.execute(fresh_sql(limit), {**params, "sort": sort})
     return cursor.fetchone()[1] or []
 
 
@@ -187,8 +242,8 @@ def claim_warm() -> None:
     with hot_cursor() as cursor:
         # a process's first claims take one job, its claims after quick jobs a full batch
         for limit in sorted({1, max(1, settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH)}):
-            cursor.execute("EXPLAIN " + fresh_sql(limit), {**params, "batch": limit, "sort": "on", "seqscan": "on"})
-            cursor.execute("EXPLAIN " + claim_sql(limit), {**params, "batch": limit, "fresh": []})
+            cursor.execute("EXPLAIN " + fresh_sql(limit), {**params, "batch": limit, "sort": "on"})
+            cursor.execute("EXPLAIN " + claim_sql(limit), {**params, "batch": limit})
 
 
 def claim_params(*, worker: str, limit: int, now) -> dict:

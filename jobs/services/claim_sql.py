@@ -59,18 +59,26 @@ def claim_sql(limit: int) -> str:
     return _SQL[key]
 
 
-# The claim lock, and sorts and sequential scans off for the next statement (``fresh_sql``) of this
-# transaction only (its busy-lane and organization filters then read the indexes of executing jobs
-# even under a plan made while the table was empty); returns the settings it replaced.
+# The claim lock, and sorts and sequential scans off for the statements after it in this transaction
+# only: the pick (``fresh_sql``, which turns sorts back on) and the claim statement (their filters
+# then read the indexes of executing jobs, and the aged jobs' lanes theirs, even under a generic
+# plan or one made while the table was empty); returns the settings it replaced, for a claim inside
+# a caller's transaction to give back (``RESTORE_SQL``).
 LOCK_SQL = ("SELECT pg_advisory_xact_lock(%s), current_setting('enable_sort'), current_setting('enable_seqscan'),"
             " set_config('enable_sort', 'off', true), set_config('enable_seqscan', 'off', true)")
 
 
+RESTORE_SQL = "SELECT set_config('enable_seqscan', %s, true)"
+
+# Where the pick leaves the ids it picked for the claim statement of its transaction (a setting
+# local to the transaction), so the two need no round trip to the client in between.
+PICKED_SETTING = "orchestrator.claim_picked"
+
+
 def fresh_sql(limit: int) -> str:
     """PostgreSQL's pick of the fresh candidates, before the claim statement (which then reads them
-    by id, ``%(fresh)s``): the ids of the first eligible jobs in the claim order (locked), and the
-    settings given back (``%(sort)s``, ``%(seqscan)s``: what ``LOCK_SQL`` returned) for the
-    statements after it.
+    by id from ``PICKED_SETTING``): the ids of the first eligible jobs in the claim order (locked),
+    and sorts given back (``%(sort)s``: what ``LOCK_SQL`` returned) for the statements after it.
 
     A queue table's statistics are always behind it (thousands of rows enqueued between two
     ANALYZEs), and the planner cannot estimate the eligibility filters (a half each, it guesses):
@@ -84,7 +92,7 @@ def fresh_sql(limit: int) -> str:
         qn = connection.ops.quote_name
         _SQL[key] = (
             "SELECT set_config('enable_sort', %(sort)s, true), array_agg(f.id),"
-            " set_config('enable_seqscan', %(seqscan)s, true) FROM"
+            f" set_config({_literal(PICKED_SETTING)}, COALESCE(array_agg(f.id), '{{}}')::text, true) FROM"
             f" (SELECT j.id FROM {qn(Job._meta.db_table)} j WHERE {_eligible()}"
             f" ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates} FOR UPDATE OF j SKIP LOCKED) f"
         )
@@ -184,7 +192,8 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), s
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
         + (f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"
-           f" {busy} AS busy FROM {job} j WHERE j.id = ANY(%(fresh)s::bigint[])),"
+           f" {busy} AS busy FROM {job} j WHERE j.id = ANY(NULLIF(current_setting({_literal(PICKED_SETTING)}, true),"
+           " '')::bigint[])),"
            if picked else
            f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"
            f" {busy} AS busy FROM {job} j WHERE {eligible} ORDER BY j.priority, j.class_rank, j.id LIMIT {candidates}{lock}),")

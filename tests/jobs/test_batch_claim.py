@@ -294,11 +294,13 @@ def test_the_prepared_claim_keeps_an_index_scan_from_an_empty_table(project, typ
     with transaction.atomic():
         with connection.cursor() as cursor:
             cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])  # what every claim says to the planner first
-        plan, counts = _explain_prepared(pick, text, sort="on", seqscan="on")
-    assert "Index Scan using job_claim_order_idx" in plan, (counts, plan)
-    assert "Sort Key" not in plan and "Seq Scan on jobs_job " not in plan, (counts, plan)
-    plan, counts = _explain_prepared(claim, claim_sql(4), fresh=[0])
-    assert "Seq Scan on jobs_job " not in plan, (counts, plan)  # the claim statement reads no whole table
+        plan, counts = _explain_prepared(pick, text, sort="on")
+        assert "Index Scan using job_claim_order_idx" in plan, (counts, plan)
+        assert "Sort Key" not in plan and "Seq Scan on jobs_job " not in plan, (counts, plan)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT set_config('enable_sort', 'on', true)")  # as the pick leaves it
+        plan, counts = _explain_prepared(claim, claim_sql(4))
+        assert "Seq Scan on jobs_job " not in plan, (counts, plan)  # the claim statement reads no whole table
 
 
 def _explain_prepared(name: str, text: str, **extra) -> tuple[str, tuple]:
@@ -419,3 +421,45 @@ def test_the_sqlite_maintenance_probe_reads_no_whole_job_table(project, types):
         steps = [row[3] for row in cursor.fetchall()]
     assert not [step for step in steps if step.startswith("SCAN jobs_job")], steps  # each probe a search
     assert any("job_active_deadline_idx" in step for step in steps), steps
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_claim_of_its_own_transaction_leaves_the_session_as_it_found_it_and_a_failed_one_holds_nothing(
+        project, types, monkeypatch, settings):
+    """Outside any transaction a claim sends its whole transaction at once (lock, pick, claim
+    statement, commit): after it the session holds no lock and has its planner settings back; a
+    statement that fails rolls all of it back (the picked rows and the claim lock are let go)."""
+    import psycopg
+
+    from jobs.services import claim as claim_module
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    first, second, third = (enqueue(project, "bg", n=n) for n in range(3))
+    assert [job.pk for job in jobs_claim(worker="w1", limit=1)] == [first.pk]  # learns the session's settings
+    assert [job.pk for job in jobs_claim(worker="w1", limit=1)] == [second.pk]
+
+    def session() -> tuple:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('enable_seqscan'), current_setting('enable_sort'),"
+                           " (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid())")
+            return cursor.fetchone()
+
+    assert session() == ("on", "on", 0)
+    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert Job.objects.get(pk=second.pk).state == JobState.EXECUTING
+    assert Event.objects.filter(type=JOB_STARTED, payload__jobId=second.pk).count() == 1
+
+    real = claim_module.claim_sql
+    monkeypatch.setattr(claim_module, "claim_sql", lambda limit: real(limit).replace("RETURNING", "RETURNING 1/0,"))
+    from django.db import DataError
+
+    with pytest.raises(DataError, match="division by zero"):
+        jobs_claim(worker="w2", limit=1)
+    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert session() == ("on", "on", 0)
+    assert Job.objects.get(pk=third.pk).state == JobState.QUEUED  # the failed claim took nothing
+    with connection.cursor() as cursor:  # and holds no row: another transaction locks it at once
+        cursor.execute("SELECT id FROM jobs_job WHERE id = %s FOR UPDATE NOWAIT", [third.pk])
+    monkeypatch.setattr(claim_module, "claim_sql", real)
+    assert [job.pk for job in jobs_claim(worker="w2", limit=1)] == [third.pk]
