@@ -50,6 +50,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _client():
+    """This process's broker client (``_broker``)."""
     from django_q.brokers import get_broker
 
     with _lock:
@@ -81,11 +82,10 @@ def waiting_messages() -> int:
 
 def wake_workers(count: int = 1, *, force: bool = False) -> int:
     """Make sure ``count`` wake messages wait in the broker (coalesced unless ``force``): the
-    messages no cluster has taken yet (``waiting_messages``) count, as
-    each starts a drain after this call, which claims until the queue is empty; only the rest are
-    sent. A message costs more than the read: on the ORM broker it is three write transactions
-    (insert, lease, delete), and a drain that finds the jobs taken costs a claim. Returns how
-    many were sent."""
+    messages no cluster has taken yet (``waiting_messages``) count, as each starts a drain after
+    this call, which claims until the queue is empty; only the rest are sent. A message costs more
+    than the read: on the ORM broker it is three write transactions (insert, lease, delete), and a
+    drain that finds the jobs taken costs a claim. Returns how many were sent."""
     global _last_wake, _deferred
     if count <= 0:
         return 0
