@@ -96,7 +96,7 @@ def _schedule(run: Run) -> list[int]:
     first backoff ends."""
     run_events_flush()  # the run's own events before the jobs'
     now = timezone.now()
-    if run.last_heartbeat is None or now - run.last_heartbeat > services.HEARTBEAT_REUSE:
+    if services.heartbeat_due(run, now):
         run.last_heartbeat = now
         run.save(update_fields=["last_heartbeat", "updated_at"])
     steps = services.runnable_steps(run)

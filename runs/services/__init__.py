@@ -54,6 +54,7 @@ from runs.services.lifecycle import (  # noqa: F401
 from runs.services.steps import (  # noqa: F401
     HEARTBEAT_REUSE,
     StepOutcome,
+    heartbeat_due,
     runnable_steps,
     step_attempt_abandon,
     step_attempt_fail,

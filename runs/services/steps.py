@@ -150,9 +150,16 @@ def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | 
     return attempt
 
 
-# A begin within this long of the run's last recorded heartbeat (the step settled just before in
-# the same transaction, say) does not write another: the timeouts that read it are minutes long.
-HEARTBEAT_REUSE = timedelta(seconds=1)
+# A begin or a settlement within this long of the run's last recorded heartbeat does not write
+# another: the timeouts that read it are a minute or more (ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S).
+# A settlement that leaves it alone leaves every indexed column of the run as it was, so that
+# PostgreSQL updates the run in place (a HOT update: no entry in any of the run's indexes).
+HEARTBEAT_REUSE = timedelta(seconds=5)
+
+
+def heartbeat_due(run: Run, now) -> bool:
+    """Whether ``run``'s heartbeat should be written at ``now`` (none yet, or older than the reuse)."""
+    return run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE
 
 
 def step_begin_locked(run: Run, step: Step) -> StepAttempt:
@@ -174,7 +181,7 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     else:
         insert_returning(attempt)
     now = timezone.now()
-    if run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE:
+    if heartbeat_due(run, now):
         run.last_heartbeat = now
         run.save(update_fields=["last_heartbeat", "updated_at"])
     return attempt
@@ -279,7 +286,9 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     # attempt's charged figure: on PostgreSQL in the same statement, before the propagation (a move
     # of the run it makes saves them again); elsewhere after it, unless such a move saved them.
     early = connection.vendor == "postgresql"
-    run.last_heartbeat = run.updated_at = now
+    run.updated_at = now
+    if heartbeat_due(run, now):
+        run.last_heartbeat = now
     charged = [(run_attempt, ("credits_charged",))] if cost else []
     run_figures = [(run, ("credits_charged", "last_heartbeat", "updated_at"))]
     save_moved_together([*moves, *charged, *run_figures] if early else moves, put_off=True)

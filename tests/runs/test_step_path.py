@@ -374,3 +374,45 @@ def test_on_sqlite_a_step_begun_and_settled_reads_no_whole_table_of_nodes(projec
                            if re.match(r"SCAN (runs_agent|runs_task|runs_step|g|t|s)\b", row[3])]
     assert node_scans == []
     assert StepAttempt.objects.get(pk=attempt.pk).outcome == "succeeded"
+
+
+def test_a_settlement_soon_after_a_heartbeat_keeps_it_and_leaves_the_runs_indexed_columns_alone(project):
+    """A step settled within ``HEARTBEAT_REUSE`` of the run's last heartbeat writes the run's figures
+    and no new heartbeat; on PostgreSQL that update is HOT (no entry in any of the run's indexes)."""
+    run = running(project, "in place", steps=2)
+    step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
+    attempt = services.step_begin(step_id=step.pk)
+    beat = Run.objects.get(pk=run.pk).last_heartbeat
+    assert beat is not None
+    with transaction.atomic():
+        before = _run_updates()  # read in the transaction: the counts of earlier ones may be in it too
+        assert services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True}).decision == "completed"
+        after = _run_updates()
+    if connection.vendor == "postgresql":
+        updated, hot = after[0] - before[0], after[1] - before[1]
+        assert updated == 1 and hot == 1
+    settled = Run.objects.get(pk=run.pk)
+    assert settled.last_heartbeat == beat
+    assert settled.credits_charged == 1 and settled.status == Run.Status.RUNNING
+    assert invariants_check() == []
+
+
+def _run_updates() -> tuple[int, int]:
+    """PostgreSQL: the updates of runs rows this backend counted and has not reported yet, and how
+    many of them were HOT (in place, no index entry)."""
+    if connection.vendor != "postgresql":
+        return 0, 0
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_stat_get_xact_tuples_updated('runs_run'::regclass), "
+                       "pg_stat_get_xact_tuples_hot_updated('runs_run'::regclass)")
+        return cursor.fetchone()
+
+
+def test_a_settlement_past_the_heartbeat_reuse_records_a_new_one(project):
+    run = running(project, "heard", steps=2)
+    step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
+    attempt = services.step_begin(step_id=step.pk)
+    old = Run.objects.get(pk=run.pk).last_heartbeat - services.HEARTBEAT_REUSE * 2
+    Run.objects.filter(pk=run.pk).update(last_heartbeat=old)
+    services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True})
+    assert Run.objects.get(pk=run.pk).last_heartbeat > old + services.HEARTBEAT_REUSE
