@@ -55,6 +55,7 @@ from runs.services.steps import (  # noqa: F401
     HEARTBEAT_REUSE,
     StepOutcome,
     heartbeat_due,
+    heartbeat_reuse,
     runnable_steps,
     step_attempt_abandon,
     step_attempt_fail,

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -151,15 +152,21 @@ def step_begin(*, step_id: int, then: Callable[[Run, Step, StepAttempt], Any] | 
 
 
 # A begin or a settlement within this long of the run's last recorded heartbeat does not write
-# another: the timeouts that read it are a minute or more (ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S).
-# A settlement that leaves it alone leaves every indexed column of the run as it was, so that
-# PostgreSQL updates the run in place (a HOT update: no entry in any of the run's indexes).
+# another (``heartbeat_reuse``: at most a tenth of ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S, which is a
+# minute by default). A settlement that leaves it alone leaves every indexed column of the run as it
+# was, so that PostgreSQL updates the run in place (a HOT update: no entry in any of its indexes).
 HEARTBEAT_REUSE = timedelta(seconds=5)
+
+
+def heartbeat_reuse() -> timedelta:
+    """How long a recorded heartbeat serves: ``HEARTBEAT_REUSE``, or a tenth of the timeout that
+    reads it when that is shorter (a run is never silent for a tenth of its timeout while it works)."""
+    return min(HEARTBEAT_REUSE, timedelta(seconds=settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S) / 10)
 
 
 def heartbeat_due(run: Run, now) -> bool:
     """Whether ``run``'s heartbeat should be written at ``now`` (none yet, or older than the reuse)."""
-    return run.last_heartbeat is None or now - run.last_heartbeat > HEARTBEAT_REUSE
+    return run.last_heartbeat is None or now - run.last_heartbeat > heartbeat_reuse()
 
 
 def step_begin_locked(run: Run, step: Step) -> StepAttempt:

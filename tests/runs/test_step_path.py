@@ -3,6 +3,8 @@ with the command's result or not at all, and a transaction's events are written 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.db import OperationalError, connection, transaction
 
@@ -377,7 +379,7 @@ def test_on_sqlite_a_step_begun_and_settled_reads_no_whole_table_of_nodes(projec
 
 
 def test_a_settlement_soon_after_a_heartbeat_keeps_it_and_leaves_the_runs_indexed_columns_alone(project):
-    """A step settled within ``HEARTBEAT_REUSE`` of the run's last heartbeat writes the run's figures
+    """A step settled within ``heartbeat_reuse()`` of the run's last heartbeat writes the run's figures
     and no new heartbeat; on PostgreSQL that update is HOT (no entry in any of the run's indexes)."""
     run = running(project, "in place", steps=2)
     step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
@@ -412,7 +414,16 @@ def test_a_settlement_past_the_heartbeat_reuse_records_a_new_one(project):
     run = running(project, "heard", steps=2)
     step = services.runnable_steps(Run.objects.get(pk=run.pk))[0]
     attempt = services.step_begin(step_id=step.pk)
-    old = Run.objects.get(pk=run.pk).last_heartbeat - services.HEARTBEAT_REUSE * 2
+    old = Run.objects.get(pk=run.pk).last_heartbeat - services.heartbeat_reuse() * 2
     Run.objects.filter(pk=run.pk).update(last_heartbeat=old)
     services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True})
-    assert Run.objects.get(pk=run.pk).last_heartbeat > old + services.HEARTBEAT_REUSE
+    assert Run.objects.get(pk=run.pk).last_heartbeat > old + services.heartbeat_reuse()
+
+
+def test_a_short_heartbeat_timeout_shortens_the_reuse(settings):
+    settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = 3  # a run silent for 3 s is stuck: beat every 0.3 s
+    assert services.heartbeat_reuse() == timedelta(seconds=0.3)
+    settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = 0
+    assert services.heartbeat_reuse() == timedelta(0)
+    settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S = 3600
+    assert services.heartbeat_reuse() == services.HEARTBEAT_REUSE
