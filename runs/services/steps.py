@@ -160,7 +160,8 @@ HEARTBEAT_REUSE = timedelta(seconds=5)
 
 def heartbeat_reuse() -> timedelta:
     """How long a recorded heartbeat serves: ``HEARTBEAT_REUSE``, or a tenth of the timeout that
-    reads it when that is shorter (a run is never silent for a tenth of its timeout while it works)."""
+    reads it when that is shorter (a step that begins or settles finds its run's heartbeat at most
+    that old; a step that runs longer is beaten for by its worker's heartbeat thread)."""
     return min(HEARTBEAT_REUSE, timedelta(seconds=settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S) / 10)
 
 
