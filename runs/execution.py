@@ -95,10 +95,7 @@ def _schedule(run: Run) -> list[int]:
     every step that may start now (one already queued is left to its job), or a tick for when the
     first backoff ends."""
     run_events_flush()  # the run's own events before the jobs'
-    now = timezone.now()
-    if services.heartbeat_due(run, now):
-        run.last_heartbeat = now
-        run.save(update_fields=["last_heartbeat", "updated_at"])
+    services.heartbeat_record(run, timezone.now())
     steps = services.runnable_steps(run)
     _steps_enqueue(run, steps)
     if not steps:

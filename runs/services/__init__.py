@@ -54,7 +54,7 @@ from runs.services.lifecycle import (  # noqa: F401
 from runs.services.steps import (  # noqa: F401
     HEARTBEAT_REUSE,
     StepOutcome,
-    heartbeat_due,
+    heartbeat_record,
     heartbeat_reuse,
     runnable_steps,
     step_attempt_abandon,

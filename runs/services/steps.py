@@ -170,6 +170,13 @@ def heartbeat_due(run: Run, now) -> bool:
     return run.last_heartbeat is None or now - run.last_heartbeat > heartbeat_reuse()
 
 
+def heartbeat_record(run: Run, now) -> None:
+    """Under the run's lock: save ``now`` as the run's heartbeat when one is due."""
+    if heartbeat_due(run, now):
+        run.last_heartbeat = now
+        run.save(update_fields=["last_heartbeat", "updated_at"])
+
+
 def step_begin_locked(run: Run, step: Step) -> StepAttempt:
     """``step_begin`` for a step the caller found runnable (``runnable_steps``) under the run's lock,
     in the caller's transaction (the engine begins the next step where it settled the last)."""
@@ -188,10 +195,7 @@ def step_begin_locked(run: Run, step: Step) -> StepAttempt:
         _nodes_saved([*moved, step], insert=attempt)
     else:
         insert_returning(attempt)
-    now = timezone.now()
-    if heartbeat_due(run, now):
-        run.last_heartbeat = now
-        run.save(update_fields=["last_heartbeat", "updated_at"])
+    heartbeat_record(run, timezone.now())
     return attempt
 
 
