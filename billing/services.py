@@ -21,7 +21,7 @@ from billing.events import ledger_event
 from billing.models import CreditAccount, LedgerEntry
 from core.errors import NotFound, ValidationFailed
 from core.events import ORGANIZATION_CREATED
-from core.fsm import moves_may_wait
+from core.fsm import moves_flush_of, moves_may_wait, save_moved_together
 from core.models import Membership, Organization, Project
 from core.services import actor_label, audit_record, event_record, transition_log
 from core.sql import ModelRows, db, db_values, hot_cursor, per_vendor
@@ -198,7 +198,8 @@ def _entries_save(account: CreditAccount, entries: list[LedgerEntry]) -> None:
         kinds = ", ".join(sorted({entry.kind for entry in entries}))
         raise ValidationFailed(f"ledger key {keys} already used for {kinds}",
                                errors={"idempotency_key": ["already used"]}) from exc
-    account.save(update_fields=["balance", "reserved", "last_entry_hash", "updated_at"])
+    account.updated_at = timezone.now()  # inside a run service's batch, written with its other rows
+    save_moved_together([(account, _ACCOUNT_SAVED_NAMES)], put_off=True)
 
 
 def _entries_save_together(account: CreditAccount, entries: list[LedgerEntry]) -> None:
@@ -219,8 +220,8 @@ def _entries_save_together(account: CreditAccount, entries: list[LedgerEntry]) -
 
 
 _ENTRY_FIELDS = [field for field in LedgerEntry._meta.concrete_fields if not field.primary_key]
-_ACCOUNT_SAVED = [CreditAccount._meta.get_field(name) for name in ("balance", "reserved", "last_entry_hash",
-                                                                   "updated_at")]
+_ACCOUNT_SAVED_NAMES = ("balance", "reserved", "last_entry_hash", "updated_at")
+_ACCOUNT_SAVED = [CreditAccount._meta.get_field(name) for name in _ACCOUNT_SAVED_NAMES]
 
 
 @per_vendor
@@ -333,6 +334,7 @@ def ledger_run_entries(*, organization_id: int, entries: list[RunEntry]) -> list
     In the caller's transaction when there is one (no savepoint: a refusal raises before anything
     of its own is written, so the caller may catch it and go on), else in its own. It touches the
     billing tables only: row moves a run service keeps (``core.fsm.moves_put_off``) wait past it."""
+    moves_flush_of(CreditAccount)  # an update of the account kept (SQLite) goes before its read
     with transaction.atomic() if not connection.in_atomic_block else nullcontext(), moves_may_wait():
         account, found = _account_locked_with_keys(organization_id, [entry for entry in entries if not entry.new])
         results: list[LedgerResult | int] = []

@@ -18,7 +18,7 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import db, db_values, hot_cursor, insert_returning, per_vendor
+from core.sql import WriteMissed, db, db_values, hot_cursor, insert_returning, per_vendor, sqlite_writes
 
 _STATE_FIELDS: dict[type, tuple] = {}
 
@@ -58,18 +58,25 @@ class ConcurrentTransitions(ConcurrentTransitionMixin):
 def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any = None,
                         put_off: bool = False, carry: tuple[str, list] | None = None) -> None:
     """``save_moved`` of several rows (``(row, fields)``, of any models; a row of a model without state
-    fields is written by its primary key alone): on PostgreSQL one prepared statement (each row's
-    ``UPDATE`` in a ``WITH``, built once per models and fields), else one each.
+    fields is written by its primary key alone) in one statement: on PostgreSQL a prepared one (each
+    row's ``UPDATE`` in a ``WITH``, built once per models and fields), on SQLite one through a view
+    whose trigger makes the updates (``sqlite_moves_written``).
     ``ConcurrentTransition`` when a row's state changed since it was read, or it is gone, as
     ``save_moved`` raises (the others may be written: the caller's transaction fails with it).
     ``insert``: a new row inserted with them (``core.sql.insert_returning``; the statement's last
-    part on PostgreSQL), which gets its primary key. Inside ``moves_put_off()`` the rows put off
-    so far are written in the same statement, and ``put_off=True`` (without ``insert``) puts
-    these off too. ``carry`` (PostgreSQL, with ``insert``): another part of the ``WITH`` (``name AS
+    part on PostgreSQL; on SQLite a statement of its own), which gets its primary key. Inside
+    ``moves_put_off()`` the rows put off so far are written in the same statement (on SQLite,
+    with ``insert``, they all wait for the next statement instead), and ``put_off=True`` (without
+    ``insert``) puts these off too. ``carry`` (PostgreSQL, with ``insert``): another part of the ``WITH`` (``name AS
     (...)``, a write of the caller's) and its parameters, written by the same statement."""
     if _put_off_rows() is not None:
         if put_off and insert is None:
             _put_off_add(moves)
+            return
+        if insert is not None and db().vendor != "postgresql":  # the rows wait: no WITH to take them
+            _put_off_add(moves)
+            with moves_may_wait():  # a new row: it reads none of theirs
+                insert_returning(insert)
             return
         moves = _merged(moves_take(), moves)
     _write_together(moves, insert, carry)
@@ -84,6 +91,11 @@ def _write_together(moves: list[tuple[Any, tuple[str, ...]]], insert: Any = None
         counts = insert_returning(insert, moves_counts_sql(len(moves)) if moves else "", [*params, *carry[1]],
                                   with_=f"{with_sql}{', ' if moves else ' '}{carry[0]}")
         moves_written(moves, counts or [])
+        return
+    if db().vendor != "postgresql" and len(moves) > 1:
+        sqlite_moves_written(moves, [])
+        if insert is not None:
+            insert_returning(insert)
         return
     if db().vendor != "postgresql" or len(moves) + (insert is not None) < 2:
         for row, fields in moves:
@@ -118,6 +130,20 @@ def moves_statement(moves: list[tuple[Any, tuple[str, ...]]]) -> tuple[str, list
     return _moved_with_sql(shape), [param for row, fields in moves for param in _moved_params(row, fields)]
 
 
+def sqlite_moves_written(moves: list[tuple[Any, tuple[str, ...]]], parts: list[tuple[str, list, bool]]) -> None:
+    """On SQLite: write ``moves`` (each one's ``UPDATE``, guarded) and then ``parts`` (writes of the
+    caller's, ``core.sql.sqlite_writes``) in one statement; ``ConcurrentTransition`` for a row that
+    did not move (nothing of the statement is written then), as ``moves_written`` raises."""
+    moved = [(_moved_update_sql(type(row), fields)[0], _moved_params(row, fields), True) for row, fields in moves]
+    try:
+        sqlite_writes([*moved, *parts])
+    except WriteMissed as exc:
+        if exc.index < len(moves):
+            raise _moved_conflict(moves[exc.index][0]) from exc
+        raise
+    moves_written(moves, [1] * len(moves))
+
+
 def moves_counts_sql(count: int) -> str:
     """The row counts of ``moves_statement``'s updates: an SQL array, in the order of the moves."""
     return f"ARRAY[{_moved_counts_sql(count)}]"
@@ -148,11 +174,10 @@ def _put_off_rows() -> list | None:
 
 @contextmanager
 def moves_put_off() -> Iterator[None]:
-    """Inside (on PostgreSQL; elsewhere nothing changes): a row's ``save_moved`` (and
-    ``save_moved_together(put_off=True)``) is not written at once but kept, and written with the
-    next statement the connection runs: in that statement where it knows how
-    (``save_moved_together``, or a caller of ``moves_take``), else in one statement of its own just
-    before it (an execute wrapper, so no read or write in between sees the rows as they were).
+    """Inside, a row's ``save_moved`` (and ``save_moved_together(put_off=True)``) is not written at
+    once but kept, and written with the next statement the connection runs: in that statement where
+    it knows how (``save_moved_together``, or a caller of ``moves_take``), else in one statement of
+    its own just before it (an execute wrapper, so no read or write in between sees the rows as they were).
     Moving a kept row again updates what is kept (one ``UPDATE`` per row, guarded by the states it
     was read in). A ``ROLLBACK TO SAVEPOINT`` drops the kept rows (a savepoint's creation wrote the
     ones before it); leaving the block writes what is left, or drops it when an exception leaves.
@@ -161,7 +186,7 @@ def moves_put_off() -> Iterator[None]:
     transaction fails as it would have at the move's own write). An object whose kept move a
     rollback dropped cannot be saved again without a fresh read (``ConcurrentTransition``)."""
     conn = db()
-    if conn.vendor != "postgresql" or _put_off_rows() is not None:
+    if _put_off_rows() is not None:
         yield
         return
     _put_off.rows, _put_off.failed = [], None
@@ -186,6 +211,16 @@ def moves_may_wait() -> Iterator[None]:
         yield
     finally:
         _put_off.waiting = before
+
+
+def moves_flush_of(model: type) -> None:
+    """Write the kept rows of ``model`` now (the others stay kept): before statements
+    ``moves_may_wait`` lets by that read its table."""
+    rows = _put_off_rows()
+    if rows and any(type(row) is model for row, _ in rows):
+        taken = [(row, fields) for row, fields in rows if type(row) is model]
+        rows[:] = [entry for entry in rows if type(entry[0]) is not model]
+        _write_kept(taken)
 
 
 def moves_take() -> list[tuple[Any, tuple[str, ...]]]:

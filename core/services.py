@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from core.errors import NotFound, ValidationFailed
 from core.events import PROJECT_CREATED
-from core.fsm import moves_counts_sql, moves_statement, moves_take, moves_written
+from core.fsm import moves_counts_sql, moves_statement, moves_take, moves_written, sqlite_moves_written
 from core.models import AuditRecord, Event, Organization, Project
 from core.sql import hot_cursor, per_vendor
 from core.tracing import tracing_trace_id
@@ -39,33 +39,33 @@ def event_record(
     return event
 
 
-def events_record(rows: list[dict[str, Any]]) -> list[int]:
+def events_record(rows: list[dict[str, Any]]) -> None:
     """Write several outbox events in one statement, in the caller's transaction, in the order
-    given (their ids increase in that order); returns their ids. Each row takes ``event_record``'s
-    keyword arguments. On PostgreSQL the rows travel as one JSON document through a statement
-    prepared once per connection (``hot_cursor``): no model instance, no SQL built per call; the
-    row moves ``core.fsm.moves_put_off`` kept are written by the same statement."""
+    given (their ids increase in that order). Each row takes ``event_record``'s keyword arguments.
+    The rows travel as one JSON document through a statement built once: no model instance, no
+    SQL built per call (on PostgreSQL prepared once per connection, ``hot_cursor``); the row moves
+    ``core.fsm.moves_put_off`` kept are written by the same statement."""
     if not rows:
-        return []
-    if connection.vendor != "postgresql":
-        return [event.pk for event in Event.objects.bulk_create([
-            Event(type=row["type"], organization_id=row.get("organization_id"), project_id=row.get("project_id"),
-                  run_id=row.get("run_id"), payload=row.get("payload") or {})
-            for row in rows
-        ])]
+        return
     document = json.dumps([[row["type"], row.get("organization_id"), row.get("project_id"), row.get("run_id"),
                             row.get("payload") or {}] for row in rows], separators=(",", ":"))
     params = [connection.ops.adapt_datetimefield_value(timezone.now()), document]
     moves = moves_take()
+    if connection.vendor != "postgresql":
+        if moves:
+            sqlite_moves_written(moves, [(_EVENTS_INSERT_SQLITE, params, False)])
+        else:
+            with hot_cursor() as cursor:
+                cursor.execute(_EVENTS_INSERT_SQLITE, params)
+        return
     with hot_cursor() as cursor:
         if not moves:
             cursor.execute(_EVENTS_INSERT, params)
-            return [row[0] for row in cursor.fetchall()]
+            return
         with_sql, with_params = moves_statement(moves)
         cursor.execute(_events_insert_with_sql(with_sql, len(moves)), [*with_params, *params])
         inserted = cursor.fetchall()
     moves_written(moves, inserted[0][1])
-    return [row[0] for row in inserted]
 
 
 # One row per element of a JSON array of [type, organization_id, project_id, run_id, payload],
@@ -74,6 +74,14 @@ _EVENTS_INSERT = (
     f"INSERT INTO {Event._meta.db_table} (type, organization_id, project_id, run_id, payload, created_at)"
     " SELECT e.value->>0, (e.value->>1)::bigint, (e.value->>2)::bigint, (e.value->>3)::bigint, e.value->4, %s::timestamptz"
     " FROM jsonb_array_elements(%s::jsonb) WITH ORDINALITY AS e(value, n) ORDER BY e.n RETURNING id"
+)
+
+
+# The same on SQLite (``json_each`` walks the array in its order).
+_EVENTS_INSERT_SQLITE = (
+    f"INSERT INTO {Event._meta.db_table} (type, organization_id, project_id, run_id, payload, created_at)"
+    " SELECT json_extract(e.value, '$[0]'), json_extract(e.value, '$[1]'), json_extract(e.value, '$[2]'),"
+    " json_extract(e.value, '$[3]'), json_extract(e.value, '$[4]'), %s FROM json_each(%s) AS e ORDER BY e.key"
 )
 
 

@@ -4,11 +4,14 @@ and model rows read by statements written once."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import threading
 from datetime import datetime
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections, models
+from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connection, connections, models
 from django.db.models import Model, QuerySet
 from django.db.models.base import ModelState
 from django.db.models.signals import post_init, pre_init
@@ -315,6 +318,9 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
     if not levels:
         return
     conn = db()
+    if conn.vendor == "sqlite" and len(levels) > 1 and conn.in_atomic_block:
+        _insert_tree_keyed(levels)
+        return
     if conn.vendor != "postgresql":
         for rows, _ in levels:  # bulk_create takes each parent's key, known by then
             type(rows[0]).objects.bulk_create(rows)
@@ -345,6 +351,52 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
             row._state.adding, row._state.db = False, conn.alias
             if parent is not None:
                 setattr(row, parent, getattr(row, parent))  # sets the foreign key's column from the parent
+
+
+def _insert_tree_keyed(levels: list[tuple[list, str | None]]) -> None:
+    """``insert_tree`` on SQLite inside a transaction: the keys the rows will get are read first (one
+    ``SELECT``: past the largest ever given, as ``AUTOINCREMENT`` gives them), then every level is
+    inserted with its keys by one statement (``sqlite_writes``). The transaction holds the database's
+    write lock (``BEGIN IMMEDIATE``), so no other writer takes those keys meanwhile; under another
+    mode the insert of a key taken fails on the primary key rather than writing a wrong tree."""
+    conn = db()
+    with hot_cursor() as cursor:
+        cursor.execute(_next_keys_sql(tuple(type(rows[0]) for rows, _ in levels)))
+        firsts = cursor.fetchone()
+    parts = []
+    for (rows, parent), first in zip(levels, firsts):
+        model = type(rows[0])
+        for offset, row in enumerate(rows):
+            row.pk = first + offset
+            if parent is not None:
+                setattr(row, parent, getattr(row, parent))  # sets the foreign key's column from the parent
+        fields = [field for field in model._meta.concrete_fields if not field.primary_key]
+        values = [[row.pk, *db_values(fields, [field.pre_save(row, True) for field in fields], conn)] for row in rows]
+        parts.append((_insert_rows_sql(model), [values], False))
+    sqlite_writes(parts)
+    for rows, _ in levels:
+        for row in rows:
+            row._state.adding, row._state.db = False, conn.alias
+
+
+@per_vendor
+def _next_keys_sql(models_: tuple) -> str:
+    qn = connection.ops.quote_name
+    firsts = [f"max(coalesce((SELECT seq FROM sqlite_sequence WHERE name = '{model._meta.db_table}'), 0),"
+              f" coalesce((SELECT max({qn(model._meta.pk.column)}) FROM {qn(model._meta.db_table)}), 0)) + 1"
+              for model in models_]
+    return f"SELECT {', '.join(firsts)}"
+
+
+@per_vendor
+def _insert_rows_sql(model) -> str:
+    """One row per element of a JSON array of rows (each its key, then its other columns in order)."""
+    qn = connection.ops.quote_name
+    meta = model._meta
+    columns = [meta.pk, *(field for field in meta.concrete_fields if not field.primary_key)]
+    values = ", ".join(f"json_extract(r.value, '$[{index}]')" for index in range(len(columns)))
+    return (f"INSERT INTO {qn(meta.db_table)} ({', '.join(qn(field.column) for field in columns)})"
+            f" SELECT {values} FROM json_each(%s) AS r ORDER BY r.key")
 
 
 def _tree_columns(model, parent: str | None) -> list:
@@ -378,3 +430,105 @@ def _insert_tree_sql(shape: tuple) -> str:
             parts.append(f"n{index} AS (SELECT id, ROW_NUMBER() OVER (ORDER BY id) AS n FROM i{index})")
         selects.append(f"SELECT {index}, id FROM i{index}")
     return f"WITH {', '.join(parts)} {' UNION ALL '.join(selects)}"
+
+
+# --- several writes in one statement on SQLite --------------------------------------------------
+
+_WRITE_MISSED = "orchestrator: no row for write "
+
+
+class WriteMissed(Exception):
+    """A guarded write of ``sqlite_writes`` changed no row, or more than one (``index``: its place in
+    the parts): the statement was undone as a whole, the transaction goes on."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"write {index} of the statement changed no row")
+        self.index = index
+
+
+def sqlite_writes(parts: list[tuple[str, list, bool]]) -> None:
+    """Several writes in one statement on SQLite, where PostgreSQL puts them in one ``WITH``: ``parts``
+    are ``(sql, params, guarded)``, each an ``INSERT``, ``UPDATE`` or ``DELETE`` with ``%s``
+    placeholders, made in order; ``guarded``: it must change exactly one row, else the statement
+    is undone as a whole and ``WriteMissed`` names it.
+
+    The statement inserts one row, every part's parameters as one JSON array, into a temporary view
+    whose ``INSTEAD OF`` trigger makes the writes (each placeholder reads its element of the array);
+    the view is made on the connection (two ``CREATE TEMP`` statements) the first time its shape is
+    written, and again after a rollback of the transaction that made it took it away. Parameters
+    travel as JSON: text, numbers, None and booleans as they are, anything else as its text (the
+    values the driver gets from ``get_db_prep_save`` are of those kinds)."""
+    name, body, heads = _writes_view(tuple((sql, guarded) for sql, _, guarded in parts))
+    document = json.dumps([param for _, params, _ in parts for param in params], default=str,
+                          separators=(",", ":"))
+    conn = db()
+    conn.ensure_connection()
+    made = _views_made(conn)
+    sql = f"INSERT INTO temp.{name} (p) VALUES (%s) /* {heads} */"
+    with conn.cursor() as cursor:
+        if name not in made:
+            _view_make(cursor, name, body)
+            made.add(name)
+        try:
+            cursor.execute(sql, [document])
+        except OperationalError as exc:
+            if name not in str(exc):  # else a rollback took the view away with the transaction that made it
+                raise
+            _view_make(cursor, name, body)
+            _sqlite_writes_again(cursor, sql, document)
+        except IntegrityError as exc:
+            _raise_missed(exc)
+
+
+def _views_made(conn) -> set:
+    """The names of the views made on ``conn``'s current database connection."""
+    made = getattr(conn, "_orchestrator_views", None)
+    if made is None or made[0] is not conn.connection:
+        made = conn._orchestrator_views = (conn.connection, set())
+    return made[1]
+
+
+def _view_make(cursor, name: str, body: str) -> None:
+    cursor.execute(f"CREATE TEMP VIEW IF NOT EXISTS {name} (p) AS SELECT NULL")
+    cursor.execute(f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_w INSTEAD OF INSERT ON {name} BEGIN {body} END")
+
+
+def _sqlite_writes_again(cursor, sql: str, document: str) -> None:
+    try:
+        cursor.execute(sql, [document])
+    except IntegrityError as exc:
+        _raise_missed(exc)
+
+
+def _raise_missed(exc: IntegrityError) -> None:
+    text = str(exc)
+    if text.startswith(_WRITE_MISSED):
+        raise WriteMissed(int(text[len(_WRITE_MISSED):])) from exc
+    raise exc
+
+
+_WRITES_VIEWS: dict[tuple, tuple[str, str, str]] = {}
+_WRITE_HEAD = re.compile(r"\s*(INSERT INTO|UPDATE|DELETE FROM)\s+(\S+)", re.IGNORECASE)
+
+
+def _writes_view(shape: tuple[tuple[str, bool], ...]) -> tuple[str, str, str]:
+    """The name of the view that writes ``shape`` (named by its text's digest: the same on every
+    connection), its trigger's body, and the writes' heads (``UPDATE "runs_step"``, ...) for the
+    statement's comment: the query log shows what it writes."""
+    found = _WRITES_VIEWS.get(shape)
+    if found is None:
+        statements, position = [], 0
+        for index, (sql, guarded) in enumerate(shape):
+            pieces = sql.split("%s")
+            text = pieces[0]
+            for piece in pieces[1:]:
+                text += f"json_extract(NEW.p, '$[{position}]'){piece}"
+                position += 1
+            statements.append(f"{text};")
+            if guarded:
+                statements.append(f"SELECT RAISE(ABORT, '{_WRITE_MISSED}{index}') WHERE changes() <> 1;")
+        body = " ".join(statements)
+        heads = ", ".join(" ".join(match.groups()) if (match := _WRITE_HEAD.match(sql)) else "?" for sql, _ in shape)
+        found = _WRITES_VIEWS[shape] = (f"orchestrator_writes_{hashlib.sha1(body.encode()).hexdigest()[:20]}",
+                                        body, heads.replace("*/", ""))
+    return found

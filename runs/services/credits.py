@@ -24,6 +24,7 @@ from core.errors import (
     InvalidTransition,
     ValidationFailed,
 )
+from core.fsm import moves_may_wait
 from core.services import audit_record
 from runs.events import RUN_REFUNDED
 from runs.models import (
@@ -47,7 +48,8 @@ def _reserve(run: Run, attempt: RunAttempt, *, actor=None, reason: str = "") -> 
         attempt.credits_reserved += run.credit_limit
         run.credits_reserved += run.credit_limit
     if attempt.pk is None:
-        attempt.save()
+        with moves_may_wait():  # a new row: the account's update a batch keeps goes on waiting
+            attempt.save()
     elif result.created:
         attempt.save(update_fields=["credits_reserved"])
 

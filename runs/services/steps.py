@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.utils import timezone
 
 from billing.errors import CreditLimitExceeded
@@ -295,22 +295,17 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement on PostgreSQL)
     moves = [(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS)]
     # The run's figures and heartbeat (a worker settled a step of the run: it is alive) and the run
-    # attempt's charged figure: on PostgreSQL in the same statement, before the propagation (a move
-    # of the run it makes saves them again); elsewhere after it, unless such a move saved them.
-    early = connection.vendor == "postgresql"
+    # attempt's charged figure, kept with the moves before the propagation (a move of the run it
+    # makes saves them again): all written in one statement.
     run.updated_at = now
     if heartbeat_due(run, now):
         run.last_heartbeat = now
     charged = [(run_attempt, ("credits_charged",))] if cost else []
     run_figures = [(run, ("credits_charged", "last_heartbeat", "updated_at"))]
-    save_moved_together([*moves, *charged, *run_figures] if early else moves, put_off=True)
+    save_moved_together([*moves, *charged, *run_figures], put_off=True)
     if run.gated:
         bookkeeping.step_pins_record(run, step)
-    status = run.status
     _after_step_done(run, step.task)
-    if not early:
-        save_moved_together([*(charged if not run_attempt.outcome else []),  # not closed by a settlement
-                             *(run_figures if run.status == status else [])])  # a move saves the whole run
     return StepOutcome("completed", step.pk)
 
 

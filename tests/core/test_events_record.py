@@ -11,14 +11,13 @@ from core.services import event_record, events_record
 def test_rows_are_written_in_order_with_increasing_ids(django_assert_num_queries):
     first = event_record(type="before", organization_id=None)
     with django_assert_num_queries(1):
-        written = events_record([
+        events_record([
             {"type": "a", "organization_id": None, "run_id": 7, "payload": {"n": 1}},
             {"type": "b", "organization_id": None, "payload": {"n": 2}},
             {"type": "c", "organization_id": None},
         ])
     rows = list(Event.objects.filter(pk__gt=first.pk).order_by("id"))
     assert [row.type for row in rows] == ["a", "b", "c"]
-    assert written == [row.pk for row in rows]
     assert rows[0].run_id == 7 and rows[0].payload == {"n": 1} and rows[2].payload == {}
     assert all(row.created_at is not None for row in rows)
 
@@ -26,7 +25,7 @@ def test_rows_are_written_in_order_with_increasing_ids(django_assert_num_queries
 @pytest.mark.django_db
 def test_nothing_is_written_for_no_rows_or_a_rolled_back_transaction(django_assert_num_queries):
     with django_assert_num_queries(0):
-        assert events_record([]) == []
+        events_record([])
     before = Event.objects.count()
     with pytest.raises(RuntimeError):
         with transaction.atomic():
