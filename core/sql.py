@@ -459,7 +459,7 @@ def sqlite_writes(parts: list[tuple[str, list, bool]]) -> None:
     travel as JSON: text, numbers, None and booleans as they are, anything else as its text (the
     values the driver gets from ``get_db_prep_save`` are of those kinds)."""
     name, body, heads = _writes_view(tuple((sql, guarded) for sql, _, guarded in parts))
-    document = json.dumps([param for _, params, _ in parts for param in params], default=str,
+    document = json.dumps([param for _, params, _ in parts for param in params], default=_json_param,
                           separators=(",", ":"))
     conn = db()
     conn.ensure_connection()
@@ -478,6 +478,13 @@ def sqlite_writes(parts: list[tuple[str, list, bool]]) -> None:
             _sqlite_writes_again(cursor, sql, document)
         except IntegrityError as exc:
             _raise_missed(exc)
+
+
+def _json_param(value) -> str:
+    """A parameter JSON has no type for: its text (a decimal, a key), never bytes."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError("sqlite_writes: a binary parameter has no JSON form")
+    return str(value)
 
 
 def _views_made(conn) -> set:
