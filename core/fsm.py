@@ -67,8 +67,9 @@ def save_moved_together(moves: list[tuple[Any, tuple[str, ...]]], *, insert: Any
     part on PostgreSQL; on SQLite a statement of its own), which gets its primary key. Inside
     ``moves_put_off()`` the rows put off so far are written in the same statement (on SQLite,
     with ``insert``, they all wait for the next statement instead), and ``put_off=True`` (without
-    ``insert``) puts these off too. ``carry`` (PostgreSQL, with ``insert``): another part of the ``WITH`` (``name AS
-    (...)``, a write of the caller's) and its parameters, written by the same statement."""
+    ``insert``) puts these off too. ``carry`` (PostgreSQL, with ``insert``): another part of the
+    ``WITH`` (``name AS (...)``, a write of the caller's) and its parameters, written by the same
+    statement."""
     if _put_off_rows() is not None:
         if put_off and insert is None:
             _put_off_add(moves)
@@ -177,8 +178,8 @@ def moves_put_off() -> Iterator[None]:
     """Inside, a row's ``save_moved`` (and ``save_moved_together(put_off=True)``) is not written at
     once but kept, and written with the next statement the connection runs: in that statement where
     it knows how (``save_moved_together``, or a caller of ``moves_take``), else in one statement of
-    its own just before it (an execute wrapper, so no read or write in between sees the rows as they were).
-    Moving a kept row again updates what is kept (one ``UPDATE`` per row, guarded by the states it
+    its own just before it (an execute wrapper, so no read or write in between sees the rows as
+    they were). Moving a kept row again updates what is kept (one ``UPDATE`` per row, guarded by the states it
     was read in). A ``ROLLBACK TO SAVEPOINT`` drops the kept rows (a savepoint's creation wrote the
     ones before it); leaving the block writes what is left, or drops it when an exception leaves.
     ``ConcurrentTransition`` comes from the statement that writes the row; when that is another
