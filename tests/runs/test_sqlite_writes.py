@@ -17,7 +17,7 @@ from core.fsm import moves_put_off, save_moved_together
 from core.models import Event
 from core.sql import WriteMissed, insert_tree, sqlite_writes
 from runs import outbox, services
-from runs.models import Agent, Run, Step, Task
+from runs.models import Agent, Step, Task
 from tests.conftest import make_plan
 
 pytestmark = [pytest.mark.django_db,
