@@ -469,15 +469,16 @@ def sqlite_writes(parts: list[tuple[str, list, bool]]) -> None:
         if name not in made:
             _view_make(cursor, name, body)
             made.add(name)
-        try:
-            cursor.execute(sql, [document])
-        except OperationalError as exc:
-            if name not in str(exc):  # else a rollback took the view away with the transaction that made it
-                raise
-            _view_make(cursor, name, body)
-            _sqlite_writes_again(cursor, sql, document)
-        except IntegrityError as exc:
-            _raise_missed(exc)
+        for again in (False, True):
+            try:
+                cursor.execute(sql, [document])
+                return
+            except OperationalError as exc:
+                if again or name not in str(exc):  # else a rollback took the view away with the transaction
+                    raise                          # that made it
+                _view_make(cursor, name, body)
+            except IntegrityError as exc:
+                _raise_missed(exc)
 
 
 def _json_param(value) -> str:
@@ -498,13 +499,6 @@ def _views_made(conn) -> set:
 def _view_make(cursor, name: str, body: str) -> None:
     cursor.execute(f"CREATE TEMP VIEW IF NOT EXISTS {name} (p) AS SELECT NULL")
     cursor.execute(f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_w INSTEAD OF INSERT ON {name} BEGIN {body} END")
-
-
-def _sqlite_writes_again(cursor, sql: str, document: str) -> None:
-    try:
-        cursor.execute(sql, [document])
-    except IntegrityError as exc:
-        _raise_missed(exc)
 
 
 def _raise_missed(exc: IntegrityError) -> None:

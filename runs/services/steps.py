@@ -292,7 +292,7 @@ def _succeeded(run: Run, attempt: StepAttempt, step: Step, output: Any) -> StepO
     attempt.finished_at = now
     step.output = output
     step.credits_charged += cost
-    _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement on PostgreSQL)
+    _node_move(step, "complete", run=run, save=False)  # saved with the attempt (one statement)
     moves = [(attempt, ("outcome", "cost", "finished_at")), (step, step.MOVING_FIELDS)]
     # The run's figures and heartbeat (a worker settled a step of the run: it is alive) and the run
     # attempt's charged figure, kept with the moves before the propagation (a move of the run it
