@@ -280,9 +280,13 @@ class Relay:
                 if more:
                     continue
                 wait = GAP_WAIT_S / 5 if self.gap_since is not None else poll
+                # Not ``asyncio.wait_for``: on Python 3.11 it returns the wake-up instead of
+                # raising when the task is cancelled in the moment the wake-up comes, and a
+                # relay that ignores its cancellation keeps its event loop from ever closing.
                 try:
-                    await asyncio.wait_for(self.wake.wait(), timeout=wait)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(wait):
+                        await self.wake.wait()
+                except TimeoutError:
                     pass
                 self.wake.clear()
         finally:

@@ -541,3 +541,29 @@ def test_a_staff_actor_reaches_tenants_as_operator_live_and_in_the_replay(member
         await watcher.disconnect()
 
     asyncio.run(scenario())
+
+
+def test_a_relay_woken_as_its_event_loop_ends_stops(member, monkeypatch):
+    """An event loop that ends (a test's, a server's shutdown) cancels its relay: the relay
+    stops even when it is woken in the same moment (its listener connected, a NOTIFY came),
+    rather than taking the wake-up for its answer and polling on with nobody left to stop it."""
+    from core import relay as relay_module
+
+    fetched = []
+    fetch = relay_module._fetch
+    monkeypatch.setattr(relay_module, "_fetch", lambda after: fetched.append(after) or fetch(after))
+
+    async def scenario():
+        relay = await relay_module.Relay.get()
+        for _ in range(3):
+            count = len(fetched)
+            while len(fetched) == count:  # a read has ended: the relay goes back to waiting
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)
+            assert not relay.task.done()
+        relay.wake.set()
+        relay.task.cancel()
+        done, _ = await asyncio.wait({relay.task}, timeout=3)
+        assert done and relay.task.cancelled()
+
+    asyncio.run(scenario())
