@@ -17,3 +17,7 @@ class CoreConfig(AppConfig):
         from core.tracing import tracing_start
 
         tracing_start()  # once per process; nothing when the OTEL_* variables leave traces off
+
+        from core.sql import timestamps_parsed_fast
+
+        timestamps_parsed_fast()

@@ -163,8 +163,8 @@ class _Chain:
 
     def _may_go_on(self, step: Step) -> bool:
         elapsed = time.monotonic() - self.started
-        if elapsed * 1000 >= settings.ORCHESTRATOR_RUN_STEP_CHAIN_MS or self.ctx.should_stop():
-            return False
+        if elapsed * 1000 >= settings.ORCHESTRATOR_RUN_STEP_CHAIN_MS:
+            return False  # a job whose cancellation was requested is not retargeted (``job_retarget``)
         tool = tool_get(step.tool) if step.kind == Step.Kind.TOOL else None
         timeout = tool.timeout_s if tool is not None and tool.timeout_s else 0
         return elapsed + timeout + 5 < self.ctx.definition.effective_timeout_s

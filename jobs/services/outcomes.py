@@ -164,8 +164,9 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
     """Point the executing attempt of a job at new work, in the caller's transaction: its payload
     and dedupe key become those of ``payload`` (a recovered attempt then resumes that work).
 
-    False, and nothing written, when the attempt is no longer current or an active job of the
-    same type already holds the new dedupe key (that job does the work). Only the unique dedupe
+    False, and nothing written, when the attempt is no longer current, its cancellation was
+    requested (it is not given more work), or an active job of the same type already holds the new
+    dedupe key (that job does the work). Only the unique dedupe
     key can conflict: that one statement runs under a savepoint. ``savepoint=False``: the caller
     holds a lock every writer of such keys holds, so the statement itself checks that no active
     job holds the key (a conflict past that check fails the caller's transaction, as any failed
@@ -185,7 +186,8 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
             cursor.execute(_retarget_sql(), [*params, job_id, job_type, attempt, JobState.EXECUTING,
                                              values["active_dedupe_key"]])
             return cursor.rowcount == 1
-    current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING)
+    current = Job.objects.filter(pk=job_id, type=job_type, attempts=attempt, state=JobState.EXECUTING,
+                                 cancel_requested_at__isnull=True)
     try:
         with transaction.atomic():
             updated = current.update(**values)
@@ -197,11 +199,12 @@ def job_retarget(*, job_id: int, attempt: int, job_type: str, project_id: int, p
 @per_vendor
 def _retarget_sql() -> str:
     """``job_retarget``'s statement without a savepoint: the attempt's row, unless an active job
-    holds the new dedupe key (none is held by a NULL key)."""
+    holds the new dedupe key (none is held by a NULL key) or its cancellation was requested."""
     qn = connection.ops.quote_name
     table = qn(Job._meta.db_table)
     sets = ", ".join(f"{qn(name)} = %s" for name in ("payload", "dedupe_key", "active_dedupe_key", "updated_at"))
     return (f"UPDATE {table} SET {sets} WHERE id = %s AND type = %s AND attempts = %s AND state = %s"
+            " AND cancel_requested_at IS NULL"
             f" AND NOT EXISTS (SELECT 1 FROM {table} h WHERE h.active_dedupe_key = %s)")
 
 

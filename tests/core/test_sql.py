@@ -45,3 +45,29 @@ def test_db_values_sends_what_get_db_prep_save_would_for_every_field_of_the_hot_
             got = db_values([field], [value], connection)[0]
             assert type(got) is type(expected), (model.__name__, field.name, value)
             assert str(got) == str(expected), (model.__name__, field.name, value)
+
+
+@pytest.mark.django_db
+def test_timestamps_read_back_as_djangos_loader_reads_them():
+    """The session's ``timestamptz`` text parsed by the fast loader gives what Django's own loader
+    gives; a value only Django's handles (before year 1, infinity) gets Django's answer or error."""
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's timestamptz loader")
+    from django.db import DataError
+    from django.db.backends.postgresql.psycopg_any import BaseTzLoader
+
+    class DjangoLoader(BaseTzLoader):
+        timezone = connection.timezone
+
+    texts = ["2026-11-27 17:52:22.123456+00", "2026-01-01 00:00:00+00", "2026-06-30 23:59:59.5+00",
+             "0001-01-01 00:00:00+00", "9999-12-31 23:59:59.999999+00"]
+    with connection.cursor() as cursor:
+        assert cursor.cursor.adapters.get_loader(1184, 0).__name__ == "IsoTzLoader"
+        cursor.execute("SELECT " + ", ".join(["%s::timestamptz"] * len(texts)), texts)
+        fast = cursor.fetchone()
+        expected = tuple(DjangoLoader(1184, cursor.cursor).load(text.encode()) for text in texts)
+        assert fast == expected and all(value.tzinfo is connection.timezone for value in fast)
+        for refused in ("0001-01-01 00:00:00+00 BC", "infinity"):
+            cursor.execute("SELECT %s::timestamptz", [refused])
+            with pytest.raises(DataError):
+                cursor.fetchone()

@@ -457,6 +457,10 @@ def test_a_retarget_points_an_executing_attempt_at_new_work_unless_an_active_job
     assert first.payload == {"n": 3} and first.active_dedupe_key == "keyed:3" and first.state == "executing"
     other.refresh_from_db()
     assert other.payload == {"n": 2} and other.state == "queued"
+    job_cancel(job_id=first.pk, reason="stop")  # cooperative: it is still executing, and gets no more work
+    assert retarget(4) is False
+    first.refresh_from_db()
+    assert first.payload == {"n": 3} and first.state == "executing" and first.cancel_requested_at is not None
 
 
 def test_hooks_run_after_commit(project, define_job, django_capture_on_commit_callbacks):
