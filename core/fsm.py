@@ -18,7 +18,8 @@ from typing import Any
 from django.db import connection
 from django_fsm import ConcurrentTransition, ConcurrentTransitionMixin, FSMFieldMixin, transition
 
-from core.sql import WriteMissed, db, db_values, hot_cursor, insert_returning, per_vendor, sqlite_writes
+from core.sql import (ROW_VERSION, ROW_WRITTEN, WriteMissed, db, db_values, hot_cursor, insert_returning, per_vendor,
+                      sqlite_writes)
 
 _STATE_FIELDS: dict[type, tuple] = {}
 
@@ -152,16 +153,27 @@ def moves_counts_sql(count: int) -> str:
 
 def moves_written(moves: list[tuple[Any, tuple[str, ...]]], counts) -> None:
     """After a statement wrote ``moves`` (``counts``: each one's row count): ``ConcurrentTransition``
-    for a row that did not move; the rows' states are now the ones written."""
+    for a row that did not move; the rows' states are now the ones written, their version this
+    transaction's (``core.sql.ROW_WRITTEN``)."""
     for (row, _), count in zip(moves, counts, strict=True):
         if count != 1:
             raise _moved_conflict(row)
     for row, fields in moves:
+        row.__dict__[ROW_VERSION] = ROW_WRITTEN  # its fields as written: this transaction's version
         if isinstance(row, ConcurrentTransitions):  # the states written (a row kept may have moved on since)
             initial = row._ConcurrentTransitionMixin__initial_states
             for field in _state_fields_of(type(row)):
                 if field.name in fields or field.attname in fields:
                     initial[field.attname] = getattr(row, field.attname)
+
+
+def row_unsaved_move(row) -> bool:
+    """Whether a state field of ``row`` holds another state than the one it was read or last saved in
+    (a move not written yet), or its states are not known."""
+    initial = getattr(row, "_ConcurrentTransitionMixin__initial_states", None)
+    if initial is None:
+        return True
+    return any(initial.get(field.attname) != getattr(row, field.attname) for field in _state_fields_of(type(row)))
 
 
 # Rows whose moves wait for the connection's next statement (``moves_put_off``): a list of
@@ -299,6 +311,7 @@ _NO_STATE = "(rolled back)"
 
 
 def _stale(row) -> None:
+    row.__dict__.pop(ROW_VERSION, None)  # it no longer holds what its version holds
     if isinstance(row, ConcurrentTransitions):
         initial = row._ConcurrentTransitionMixin__initial_states
         for field in _state_fields_of(type(row)):

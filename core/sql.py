@@ -116,6 +116,15 @@ def hot_cursor():
     return conn._prepare_cursor(_hot_cursor_class()(conn.connection))
 
 
+# Where a row's object stands against the database, for callers that keep objects from one
+# transaction to the next: under ``ROW_VERSION`` (a key of the object's ``__dict__``) the version
+# it was read in (PostgreSQL's ``xmin``, put there by the caller's read), or ``ROW_WRITTEN`` once a
+# transaction of this connection wrote its fields as they are (``core.fsm.moves_written``): that
+# transaction's id, which the caller knows, is then its version.
+ROW_VERSION = "_row_version"
+ROW_WRITTEN = "written"
+
+
 def timestamps_parsed_fast() -> None:
     """PostgreSQL: read ``timestamptz`` values (every row's ``created_at``, a run tree's dozens) with
     the standard library's C parser rather than Django's loader, which subclasses psycopg's pure

@@ -111,9 +111,11 @@ def _step(ctx, payload: dict) -> dict:
     run_id, step_id = payload["run"], payload["step"]
     recorded: dict = {}
     try:
-        attempt = services.step_begin(step_id=step_id, then=lambda run, step, attempt: recorded.update(
-            _command_record(run, step, attempt)))
+        with services.run_tree_handed_over(None) as begun:
+            attempt = services.step_begin(step_id=step_id, then=lambda run, step, attempt: recorded.update(
+                _command_record(run, step, attempt)))
     except (InvalidTransition, NotFound) as exc:
+        begun = {"rolled_back": True}
         attempt = _interrupted_attempt(step_id, payload["round"])
         if attempt is None:
             return {"step": step_id, "skipped": getattr(exc, "detail", str(exc))}
@@ -123,9 +125,13 @@ def _step(ctx, payload: dict) -> dict:
                     "stopped": "drift found on recovery"}
     chain = _Chain(ctx, run_id)
     step = recorded.get("step") or Step.objects.select_related("run__project").get(pk=attempt.step_id)
+    left = begun  # what the transaction that began this attempt saw
     while True:
-        outcome = _execute_attempt(ctx, step, attempt, then=None if step.run.gated else chain.settled,
-                                   recorded=recorded.get("command"))
+        # The run's tree as the transaction that began this attempt left it (committed) goes on to
+        # the one that settles it, which reads it again only if a node changed meanwhile.
+        with services.run_tree_handed_over(None if left["rolled_back"] else step.run) as left:
+            outcome = _execute_attempt(ctx, step, attempt, then=None if step.run.gated else chain.settled,
+                                       recorded=recorded.get("command"))
         result = {"step": step.pk, "attempt": attempt.number, "decision": outcome.decision,
                   "error": outcome.error_code or None}
         if not chain.scheduled:  # a gate, a gated run or an interrupted attempt: the run's tick looks at it

@@ -79,3 +79,4 @@ from runs.services.escalations import (  # noqa: F401
     escalations_evaluate,
 )
 from runs.services.caps import caps_enforce, runs_caps_enforce  # noqa: F401
+from runs.services.tree import run_tree_handed_over  # noqa: F401

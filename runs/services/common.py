@@ -132,6 +132,8 @@ def _lock_run_of_sql(model, reads: str = "") -> str:
         joins.append(f" LEFT JOIN {step} s ON s.run_id = r.id LEFT JOIN {task} t ON t.id = s.task_id"
                      f" AND t.run_id = r.id LEFT JOIN {agent} g ON g.id = t.agent_id AND g.run_id = r.id"
                      " AND g.attempt_number = r.attempt_number")
+    if connection.vendor == "postgresql":  # the transaction's id (the lock gives it one): its rows' version
+        columns.append("pg_current_xact_id()::xid::text")
     return (f"SELECT {', '.join(columns)} FROM {qn(Run._meta.db_table)} r"
             f" INNER JOIN {qn(Project._meta.db_table)} p ON p.id = r.project_id{''.join(joins)}"
             f" WHERE r.id = (SELECT o.run_id FROM {qn(model._meta.db_table)} o WHERE o.id = %s){lock}")
@@ -163,6 +165,10 @@ def _lock_run_reading(model, pk: int, *, entity: str, reads: str) -> tuple[Run, 
         raise NotFound(f"{entity} {pk} does not exist")
     run = _RUN_ROWS.load(rows[0])
     run.project = _PROJECT_ROWS.load(rows[0], _RUN_ROWS.width)
+    if not together and connection.vendor == "postgresql":
+        # What a tree handed over from this transaction is checked by, once it committed.
+        run.__dict__["_xid"] = rows[0][-1]
+        transaction.on_commit(lambda: run.__dict__.__setitem__("_committed", True))
     at = _RUN_ROWS.width + _PROJECT_ROWS.width
     if reads == "step_attempt":
         return run, (_step_attempt_kept(run, rows, at) if together else _step_attempt_read(run, pk))

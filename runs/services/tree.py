@@ -4,9 +4,14 @@ transaction and kept on the run (``_run_tree``), one object per node."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from django.db import connection
 
-from core.sql import ModelRows, db, hot_cursor, per_vendor
+from core.fsm import row_unsaved_move
+from core.sql import ROW_VERSION, ROW_WRITTEN, ModelRows, db, hot_cursor, per_vendor
 from runs.models import Agent, Artifact, Run, RunAttempt, Step, StepAttempt, Task
 from runs.outbox import run_atomic_scope
 
@@ -42,7 +47,7 @@ class RunTree:
         """The steps with their tasks and agents, one object per node, in one prepared statement."""
         with hot_cursor() as cursor:
             cursor.execute(_tree_sql(), [run.pk, run.pk, run.pk, run.attempt_number])
-            return _tree_steps(cursor.fetchall())
+            return _tree_steps(cursor.fetchall(), versions_at=_TREE_WIDTH if _versioned() else None)
 
     def agents_in_order(self) -> list[Agent]:
         return sorted(self.agents.values(), key=lambda a: a.sequence)
@@ -53,6 +58,11 @@ class RunTree:
     def steps_of(self, task_id: int) -> list[Step]:
         return self._steps_of.get(task_id, [])
 
+    def nodes(self) -> Iterator:
+        yield from self.steps.values()
+        yield from self.tasks.values()
+        yield from self.agents.values()
+
     def holds(self, node) -> bool:
         nodes = self.steps if isinstance(node, Step) else self.tasks if isinstance(node, Task) else self.agents
         return nodes.get(node.pk) is node
@@ -62,10 +72,23 @@ _STEP_ROWS, _TASK_ROWS, _AGENT_ROWS = ModelRows(Step), ModelRows(Task), ModelRow
 _TREE_WIDTH = _STEP_ROWS.width + _TASK_ROWS.width + _AGENT_ROWS.width
 
 
-def _tree_steps(rows, start: int = 0) -> list[Step]:
+def _versioned() -> bool:
+    """Whether the tree's reads carry each node's row version (PostgreSQL's ``xmin``)."""
+    return db().vendor == "postgresql"
+
+
+def _versions_sql(step: str, task: str, agent: str) -> str:
+    """The row versions of a tree's row (its step's, task's and agent's ``xmin``), PostgreSQL only."""
+    if connection.vendor != "postgresql":
+        return ""
+    return f", {step}.xmin::text, {task}.xmin::text, {agent}.xmin::text"
+
+
+def _tree_steps(rows, start: int = 0, *, versions_at: int | None = None) -> list[Step]:
     """The steps of rows holding a step's, its task's and its agent's columns from ``start`` (the tree
     statement's), one object per node; a row whose agent is NULL (an outer join's: no step, or a
-    step of an earlier attempt) holds none."""
+    step of an earlier attempt) holds none. ``versions_at``: where the row's versions are
+    (``_versions_sql``), kept on the nodes (``core.sql.ROW_VERSION``)."""
     tasks: dict[int, Task] = {}
     agents: dict[int, Agent] = {}
     steps = []
@@ -82,7 +105,13 @@ def _tree_steps(rows, start: int = 0) -> list[Step]:
             agent = agents.get(row[agent_pk])
             if agent is None:
                 agent = agents[row[agent_pk]] = _AGENT_ROWS.load(row, agent_at, conn)
+                if versions_at is not None:
+                    agent.__dict__[ROW_VERSION] = row[versions_at + 2]
             _related_set(task, "agent", agent)
+            if versions_at is not None:
+                task.__dict__[ROW_VERSION] = row[versions_at + 1]
+        if versions_at is not None:
+            step.__dict__[ROW_VERSION] = row[versions_at]
         _related_set(step, "task", task)
         steps.append(step)
     return steps
@@ -118,7 +147,7 @@ def _tree_sql() -> str:
     whole), in the order of the steps (the tree sorts its levels)."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    return (f"SELECT {_tree_columns_sql('s', 't', 'a')}"
+    return (f"SELECT {_tree_columns_sql('s', 't', 'a')}{_versions_sql('s', 't', 'a')}"
             f" FROM {step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} a ON a.id = t.agent_id"
             " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s ORDER BY s.id")
 
@@ -142,18 +171,29 @@ _STEP_ATTEMPT_ROWS = ModelRows(StepAttempt)
 def _step_attempt_read(run: Run, attempt_id: int) -> StepAttempt | None:
     """A step attempt of a locked run (None when there is none), read with the run's current attempt
     and tree in one prepared statement: in a ``run_atomic()`` transaction both are kept on the run as
-    ``_current_attempt`` and ``_run_tree`` keep them (read under the run's lock, as those read them)."""
+    ``_current_attempt`` and ``_run_tree`` keep them (read under the run's lock, as those read them).
+    With a tree handed over (``run_tree_handed_over``) whose nodes' row versions are all still
+    the database's, the statement sends no node and that tree is kept instead."""
     number = run.attempt_number
+    handed, expected = _tree_handed(run)
+    params = [run.pk, number, run.pk, run.pk, run.pk, run.pk, number, attempt_id]
     with hot_cursor() as cursor:
-        cursor.execute(_step_attempt_read_sql(), [run.pk, number, run.pk, run.pk, run.pk, run.pk, number, attempt_id])
+        if expected is None:
+            cursor.execute(_step_attempt_read_sql(False), params)
+        else:
+            cursor.execute(_step_attempt_read_sql(True), [expected, run.pk, run.pk, run.pk, number, *params])
         rows = cursor.fetchall()
-    return _step_attempt_kept(run, rows, 0)
+    if expected is not None and rows and rows[0][-1] is False:  # every node as handed over
+        return _step_attempt_kept(run, rows, 0, tree=handed)
+    return _step_attempt_kept(run, rows, 0, versioned=_versioned())
 
 
-def _step_attempt_kept(run: Run, rows, at: int) -> StepAttempt | None:
+def _step_attempt_kept(run: Run, rows, at: int, *, versioned: bool = False,
+                       tree: RunTree | None = None) -> StepAttempt | None:
     """The step attempt of rows holding its columns from ``at``, then the run's current attempt's,
     whether the run has artifacts without an expiry, and its tree's; the attempt, that answer and
-    the tree kept on the run (in a ``run_atomic()`` transaction)."""
+    the tree kept on the run (in a ``run_atomic()`` transaction). ``versioned``: the tree's row
+    versions follow its columns; ``tree``: the tree to keep (handed over; the rows hold no node)."""
     if not rows or rows[0][at + _STEP_ATTEMPT_ROWS.names.index("id")] is None:
         return None
     attempt = _STEP_ATTEMPT_ROWS.load(rows[0], at)
@@ -163,7 +203,11 @@ def _step_attempt_kept(run: Run, rows, at: int) -> StepAttempt | None:
         if rows[0][at + _ATTEMPT_ROWS.names.index("id")] is not None:
             run.__dict__["_attempt"] = (scope, run.attempt_number, _ATTEMPT_ROWS.load(rows[0], at))
         run.__dict__["_open_artifacts"] = (scope, bool(rows[0][at + _ATTEMPT_ROWS.width]))
-    _run_tree_keep(run, _tree_steps(rows, at + _ATTEMPT_ROWS.width + 1))
+    if tree is not None:
+        _run_tree_adopt(run, tree)
+        return attempt
+    start = at + _ATTEMPT_ROWS.width + 1
+    _run_tree_keep(run, _tree_steps(rows, start, versions_at=start + _TREE_WIDTH if versioned else None))
     return attempt
 
 
@@ -194,20 +238,110 @@ def _run_tree_keep(run: Run, steps: list[Step]) -> None:
 
 
 @per_vendor
-def _step_attempt_read_sql() -> str:
+def _step_attempt_read_sql(guarded: bool) -> str:
     """A step attempt, whether a run has artifacts without an expiry, the run's attempt of a number and
     that attempt's tree (``_tree_sql``'s rows, an outer join: one row with none when it has no nodes
-    yet)."""
+    yet), with its row versions on PostgreSQL. ``guarded`` (PostgreSQL): the tree only when its
+    nodes' versions (``_versions_text_sql``) are not those given (its first parameters); the last
+    column says whether they were not."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
     first = "ORDER BY s.id"  # the attempts' columns in the first row only (``_step_attempt_kept`` reads it)
-    return (f"SELECT {_first_columns(_STEP_ATTEMPT_ROWS, 'm', first)}, {_first_columns(_ATTEMPT_ROWS, 'a', first)},"
-            f" {_open_artifacts_sql('%s')}, {_tree_columns_sql('s', 't', 'g')}"
-            f" FROM {qn(StepAttempt._meta.db_table)} m"
+    return (f"{f'WITH f AS MATERIALIZED (SELECT %s::text IS DISTINCT FROM ({_versions_text_sql()}) AS miss) ' if guarded else ''}"
+            f"SELECT {_first_columns(_STEP_ATTEMPT_ROWS, 'm', first)}, {_first_columns(_ATTEMPT_ROWS, 'a', first)},"
+            f" {_open_artifacts_sql('%s')}, {_tree_columns_sql('s', 't', 'g')}{_versions_sql('s', 't', 'g')}"
+            f"{', f.miss' if guarded else ''}"
+            f" FROM {qn(StepAttempt._meta.db_table)} m{' CROSS JOIN f' if guarded else ''}"
             f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
             f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
             " ON s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
-            " WHERE m.id = %s ORDER BY s.id")
+            f"{' AND f.miss' if guarded else ''} WHERE m.id = %s ORDER BY s.id")
+
+
+def _versions_text_sql() -> str:
+    """PostgreSQL: the row versions of a run's attempt's tree as one text (``_versions_text`` builds
+    the same from the nodes held): each step's id and its, its task's and its agent's ``xmin``,
+    in the order of the steps; its parameters the run's id three times and the attempt's number."""
+    qn = connection.ops.quote_name
+    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    return ("SELECT string_agg(x.id::text || ':' || x.xmin::text || ':' || y.xmin::text || ':' || z.xmin::text, ','"
+            f" ORDER BY x.id) FROM {step} x INNER JOIN {task} y ON y.id = x.task_id"
+            f" INNER JOIN {agent} z ON z.id = y.agent_id"
+            " WHERE x.run_id = %s AND y.run_id = %s AND z.run_id = %s AND z.attempt_number = %s")
+
+
+# A tree handed from the transaction that left it to the next that reads its run's step attempt:
+# the run object of the transaction before (``run_tree_handed_over``), taken by that read.
+_handover = threading.local()
+
+
+@contextmanager
+def run_tree_handed_over(previous: Run | None) -> Iterator[dict]:
+    """Around the work that follows a committed transaction of a run (its next step's settlement):
+    the tree that transaction left on ``previous`` (read under the run's lock, moved and written by
+    it) is handed to the first read of a step attempt of that run (``_step_attempt_read``), which
+    keeps it rather than reading the nodes again when every node's row version is still the one
+    the tree holds: the one read, or that transaction's for a node it wrote (a change by any other
+    transaction, committed before the read, gives the row another version); that transaction must
+    have committed (``_lock_run_reading`` notes it). Yields what the block
+    saw: ``"rolled_back"`` once a statement rolled back (to a savepoint, say): the objects it moved
+    may then hold what no row holds, and its tree is not to be handed over. A tree whose node holds
+    an unsaved move, or no known version, is read again."""
+    from django.db import connection as conn
+
+    seen = {"rolled_back": False}
+
+    def watch(execute, sql, params, many, context):
+        if isinstance(sql, str) and sql.startswith("ROLLBACK"):
+            seen["rolled_back"] = True
+        return execute(sql, params, many, context)
+
+    _handover.run = previous
+    try:
+        with conn.execute_wrapper(watch):
+            yield seen
+    finally:
+        _handover.run = None
+
+
+def _tree_handed(run: Run) -> tuple[RunTree | None, str | None]:
+    """The tree handed over for ``run`` (taken: one read uses it) and its nodes' versions as
+    ``_versions_text_sql`` gives them; (None, None) when there is none to use."""
+    previous = getattr(_handover, "run", None)
+    if previous is None:
+        return None, None
+    _handover.run = None
+    tree = previous.__dict__.get("_tree")
+    xid = previous.__dict__.get("_xid")
+    if (tree is None or xid is None or not previous.__dict__.get("_committed") or previous.pk != run.pk or previous.attempt_number != run.attempt_number
+            or tree.attempt_number != run.attempt_number or not tree.steps):
+        return None, None
+    for node in tree.nodes():
+        version = node.__dict__.get(ROW_VERSION)
+        if version == ROW_WRITTEN:  # written by that transaction: its id is the row's version now
+            node.__dict__[ROW_VERSION] = version = xid
+        if version is None or row_unsaved_move(node):
+            return None, None
+    return tree, _versions_text(tree)
+
+
+def _versions_text(tree: RunTree) -> str:
+    return ",".join(f"{step.pk}:{step.__dict__[ROW_VERSION]}:{step.task.__dict__[ROW_VERSION]}:"
+                    f"{step.task.agent.__dict__[ROW_VERSION]}" for step in sorted(tree.steps.values(),
+                                                                                   key=lambda s: s.pk))
+
+
+def _run_tree_adopt(run: Run, tree: RunTree) -> None:
+    """Keep a handed-over tree on ``run`` (the run just read under its lock) for the rest of the
+    ``run_atomic()`` transaction; its nodes' run is this one."""
+    scope = run_atomic_scope()
+    if scope is None:
+        return
+    tree.scope = scope
+    run.__dict__["_tree"] = tree
+    for node in tree.nodes():
+        if "run" in node._state.fields_cache:
+            node._state.fields_cache["run"] = run
 
 
 def _run_tree_forget(run: Run) -> None:
