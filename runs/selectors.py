@@ -15,6 +15,7 @@ from django.db.models.functions import Coalesce
 from django.db.models.lookups import GreaterThanOrEqual, IsNull, LessThan
 from django.utils import timezone
 
+from core.fsm import moves_may_wait
 from jobs.models import Job, JobState
 from jobs.selectors import jobs_active_dedupe_keys
 from runs.models import Agent, EscalationTicket, GateReceipt, Run, RunAttempt, Step, StepAttempt, Task
@@ -122,7 +123,8 @@ def run_step_jobs_queued(rounds: list[tuple[int, int]]) -> set[tuple[int, int]]:
     if not rounds:
         return set()
     keys = {f"run_step:{step}:{round_}": (step, round_) for step, round_ in rounds}
-    return {keys[key] for key in jobs_active_dedupe_keys(list(keys))}
+    with moves_may_wait():  # the queue's rows only: a run transaction's kept moves go with its next write
+        return {keys[key] for key in jobs_active_dedupe_keys(list(keys))}
 
 
 def run_current_attempt(run: Run) -> RunAttempt | None:
