@@ -247,7 +247,8 @@ def _step_attempt_read_sql(guarded: bool) -> str:
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
     first = "ORDER BY s.id"  # the attempts' columns in the first row only (``_step_attempt_kept`` reads it)
-    return (f"{f'WITH f AS MATERIALIZED (SELECT %s::text IS DISTINCT FROM ({_versions_text_sql()}) AS miss) ' if guarded else ''}"
+    check = f"WITH f AS MATERIALIZED (SELECT %s::text IS DISTINCT FROM ({_versions_text_sql()}) AS miss) "
+    return (f"{check if guarded else ''}"
             f"SELECT {_first_columns(_STEP_ATTEMPT_ROWS, 'm', first)}, {_first_columns(_ATTEMPT_ROWS, 'a', first)},"
             f" {_open_artifacts_sql('%s')}, {_tree_columns_sql('s', 't', 'g')}{_versions_sql('s', 't', 'g')}"
             f"{', f.miss' if guarded else ''}"
@@ -283,12 +284,10 @@ def run_tree_handed_over(previous: Run | None) -> Iterator[dict]:
     keeps it rather than reading the nodes again when every node's row version is still the one
     the tree holds: the one read, or that transaction's for a node it wrote (a change by any other
     transaction, committed before the read, gives the row another version); that transaction must
-    have committed (``_lock_run_reading`` notes it). Yields what the block
-    saw: ``"rolled_back"`` once a statement rolled back (to a savepoint, say): the objects it moved
-    may then hold what no row holds, and its tree is not to be handed over. A tree whose node holds
-    an unsaved move, or no known version, is read again."""
-    from django.db import connection as conn
-
+    have committed (``_lock_run_reading`` notes it). Yields what the block saw: ``"rolled_back"``
+    once a statement rolled back (to a savepoint, say): the objects it moved may then hold what no
+    row holds, and its tree is not to be handed over. A tree whose node holds an unsaved move, or
+    no known version, is read again."""
     seen = {"rolled_back": False}
 
     def watch(execute, sql, params, many, context):
@@ -298,7 +297,7 @@ def run_tree_handed_over(previous: Run | None) -> Iterator[dict]:
 
     _handover.run = previous
     try:
-        with conn.execute_wrapper(watch):
+        with db().execute_wrapper(watch):
             yield seen
     finally:
         _handover.run = None
@@ -313,8 +312,9 @@ def _tree_handed(run: Run) -> tuple[RunTree | None, str | None]:
     _handover.run = None
     tree = previous.__dict__.get("_tree")
     xid = previous.__dict__.get("_xid")
-    if (tree is None or xid is None or not previous.__dict__.get("_committed") or previous.pk != run.pk or previous.attempt_number != run.attempt_number
-            or tree.attempt_number != run.attempt_number or not tree.steps):
+    if (tree is None or xid is None or not previous.__dict__.get("_committed") or previous.pk != run.pk
+            or previous.attempt_number != run.attempt_number or tree.attempt_number != run.attempt_number
+            or not tree.steps):
         return None, None
     for node in tree.nodes():
         version = node.__dict__.get(ROW_VERSION)
