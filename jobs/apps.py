@@ -32,6 +32,11 @@ class JobsConfig(AppConfig):
         from jobs import runbooks
         from jobs.metrics import JOB_COUNTERS, job_counters_rollup, jobs_collect
 
+        from core.planner import statistics_tables_register
+        from jobs.models import CommandRecord, Job
+
+        statistics_tables_register(Job, churn=True)  # the claim's plans depend on how many jobs wait
+        statistics_tables_register(CommandRecord)  # written by every step
         if jobs_collect not in COLLECTORS:
             COLLECTORS.append(jobs_collect)
         if JOB_COUNTERS not in DERIVED:

@@ -31,6 +31,8 @@ from django.conf import settings
 from django.db import close_old_connections, connection
 from django.utils import timezone
 
+from core.planner import statistics_refresh
+
 logger = logging.getLogger("orchestrator.jobs")
 
 # Extra periodic work of other apps (the run reaper registers here); each takes ``now``.
@@ -191,45 +193,16 @@ def _claim_tick(name: str, interval_ms: int) -> bool:
 def maybe_maintain() -> None:
     if _claim_tick("maintenance", settings.ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS):
         maintain()
-    if _claim_tick("job_statistics", STATISTICS_INTERVAL_MS):
-        job_statistics_refresh()
+    if _claim_tick("planner_statistics", STATISTICS_INTERVAL_MS):
+        statistics_refresh()
 
 
-# How often (at most, across all processes) the job table's planner statistics are checked, and
-# how many rows must have changed since they were taken (at least this many, and this share of
-# the live rows) for them to be taken again.
-STATISTICS_INTERVAL_MS = 10_000
-STATISTICS_MIN_CHANGES = 1_000
-STATISTICS_CHANGED_SHARE = 0.2
-
-
-def job_statistics_refresh() -> bool:
-    """ANALYZE the job table when its statistics are behind it (PostgreSQL); True when it did.
-
-    A queue table changes faster than anything else in the database, and the claim's statements
-    are planned from its statistics: taken while the queue was empty, they make the planner read
-    a deep queue in the wrong order (a claim then costs tens of milliseconds, under the claim
-    lock). autovacuum keeps them current where it runs and is timely; this does it anyway, one
-    catalog read per interval, an ANALYZE (a sample of the table) only when enough has changed."""
-    if connection.vendor != "postgresql":
-        return False
-    from django.db import DatabaseError
-
-    from jobs.models import Job
-
-    table = Job._meta.db_table
-    try:
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT n_mod_since_analyze, n_live_tup FROM pg_stat_user_tables"
-                           " WHERE relid = %s::regclass", [table])
-            row = cursor.fetchone()
-            if row is None or row[0] < max(STATISTICS_MIN_CHANGES, STATISTICS_CHANGED_SHARE * row[1]):
-                return False
-            cursor.execute(f"ANALYZE {connection.ops.quote_name(table)}")
-    except DatabaseError:  # not the table's owner, say: the planner keeps what autovacuum gives it
-        logger.warning("could not refresh the job table's statistics", exc_info=True)
-        return False
-    return True
+# How often (at most, across all processes) the hot tables' planner statistics are checked
+# (``core.planner.statistics_refresh``: the job table, registered by this app, and the others'
+# registered by theirs): often, so that a table growing fast (a fresh database's first minutes) is
+# planned for its size soon; the check is one catalog read, and a table is analyzed again only
+# once it doubled (or, the job table, once a share of its rows changed).
+STATISTICS_INTERVAL_MS = 2_000
 
 
 def maintain() -> dict[str, int]:

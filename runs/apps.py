@@ -7,13 +7,15 @@ class RunsConfig(AppConfig):
 
     def ready(self):
         from core.metrics import COLLECTORS, DERIVED
+        from core.planner import statistics_tables_register
         from core.scopes import event_scope_register
         from jobs.worker import HEARTBEAT_HOOKS, MAINTENANCE_HOOKS
         from runs import escalation_runbooks, execution, runbooks, services, tools  # noqa: F401  (tools: registers the built-in tools)
         from runs.metrics import RUNS_FINISHED, runs_collect
-        from runs.models import Run
+        from runs.models import Agent, Run, RunAttempt, Step, StepAttempt, Task
         from runs.reaper import run_heartbeat_hook, runs_reap
 
+        statistics_tables_register(Run, RunAttempt, Agent, Task, Step, StepAttempt)  # read and moved by every step
         runbooks.runbooks_register()
         escalation_runbooks.runbooks_register()
         event_scope_register(
