@@ -6,8 +6,10 @@ Creates ``--runs`` runs of a 2 agents x 3 tasks x 2 ``echo`` steps plan (``bench
 shape), starts them, and claims and runs their jobs in this process (``jobs_claim`` batches of 8,
 ``jobs_run_claimed``, as a worker's drain does) until every run completed; prints, per step, this
 process's CPU time (``time.process_time``: the worker's Python, the database's share not in it),
-the wall time (on PostgreSQL the difference is mostly the server's work and the round trips) and
-the statements this process sent. One warm-up batch of 10 runs goes first (statements prepared,
+on PostgreSQL on this machine the CPU time of the server process serving this connection (read
+from ``/proc``: parsing, planning, executing, commits; PostgreSQL's background processes left
+out), the wall time and the statements this process sent. The sum of the two CPU times is what a
+step costs the machine, the figure that bounds the steps/s of a saturated one. One warm-up batch of 10 runs goes first (statements prepared,
 caches filled). ``--repeat``: that many measured batches, each printed. Meant for before/after
 comparisons of the step path on a noisy machine: run the two versions in turn, several times.
 
@@ -50,6 +52,7 @@ def batch(project, count: int) -> dict:
 
     from jobs.executor import jobs_run_claimed
     from jobs.services import jobs_claim
+    from jobs.worker import maybe_maintain
     from runs import services
     from runs.models import Run
 
@@ -62,9 +65,11 @@ def batch(project, count: int) -> dict:
         sent[0] += 1
         return execute(sql, params, many, context)
 
-    wall, cpu = time.perf_counter(), time.process_time()
+    server = _server_cpu()
+    wall, cpu, server_cpu = time.perf_counter(), time.process_time(), server()
     with connection.execute_wrapper(counted):
         while True:
+            maybe_maintain()  # as a worker's drain does between claims: the planner's statistics among it
             claimed = jobs_claim(worker="bench-step-cpu", limit=8)
             if claimed:
                 jobs_run_claimed(claimed, worker="bench-step-cpu")
@@ -72,12 +77,37 @@ def batch(project, count: int) -> dict:
                 time.sleep(0.005)  # a backoff or a retry's not_before: nothing to claim yet
             else:
                 break
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    wall, cpu, server_cpu = time.perf_counter() - wall, time.process_time() - cpu, server() - server_cpu
     failed = Run.objects.filter(pk__in=ids).exclude(status=Run.Status.COMPLETED).count()
     if failed:
         sys.exit(f"{failed} run(s) did not complete")
     steps = count * STEPS_PER_RUN
-    return {"cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps, "statements": sent[0] / steps}
+    return {"cpu_ms": 1000 * cpu / steps, "server_ms": 1000 * server_cpu / steps if server_cpu == server_cpu else None,
+            "wall_ms": 1000 * wall / steps, "statements": sent[0] / steps}
+
+
+def _server_cpu():
+    """A function giving the CPU seconds (user + system) of the PostgreSQL process serving this
+    connection so far, or NaN when there is none on this machine to read (SQLite, a remote server)."""
+    from django.db import connection
+
+    nothing = lambda: float("nan")  # noqa: E731
+    if connection.vendor != "postgresql":
+        return nothing
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_backend_pid()")
+        path = Path(f"/proc/{cursor.fetchone()[0]}/stat")
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def read() -> float:
+        fields = path.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (proc(5), fields 14 and 15)
+
+    try:
+        read()
+    except (OSError, ValueError, IndexError):
+        return nothing
+    return read
 
 
 def main() -> None:
@@ -112,9 +142,11 @@ def run(args) -> None:
     batch(project, 10)  # warm-up
     for number in range(1, args.repeat + 1):
         figures = batch(project, args.runs)
+        server = "" if figures["server_ms"] is None else (
+            f", server CPU {figures['server_ms']:.2f} ms (together {figures['cpu_ms'] + figures['server_ms']:.2f} ms)")
         print(f"batch {number}: {args.runs} runs x {STEPS_PER_RUN} steps ({args.db}): per step CPU "
-              f"{figures['cpu_ms']:.2f} ms, wall {figures['wall_ms']:.2f} ms, statements {figures['statements']:.1f}",
-              flush=True)
+              f"{figures['cpu_ms']:.2f} ms{server}, wall {figures['wall_ms']:.2f} ms, "
+              f"statements {figures['statements']:.1f}", flush=True)
     violations = invariants_check()
     print(f"check_invariants: {len(violations)} violation(s)")
     if violations:
