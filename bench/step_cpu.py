@@ -9,8 +9,8 @@ process's CPU time (``time.process_time``: the worker's Python, the database's s
 on PostgreSQL on this machine the CPU time of the server process serving this connection (read
 from ``/proc``: parsing, planning, executing, commits; PostgreSQL's background processes left
 out), the wall time and the statements this process sent. The sum of the two CPU times is what a
-step costs the machine, the figure that bounds the steps/s of a saturated one. One warm-up batch of 10 runs goes first (statements prepared,
-caches filled). ``--repeat``: that many measured batches, each printed. Meant for before/after
+step costs the machine, the figure that bounds the steps/s of a saturated one. One warm-up batch
+of 10 runs goes first (statements prepared, caches filled). ``--repeat``: that many measured batches, each printed. Meant for before/after
 comparisons of the step path on a noisy machine: run the two versions in turn, several times.
 
 ``--db postgres`` uses a scratch database (``BENCH_POSTGRES_URL``, ``BENCH_DATABASE_PREFIX`` as in
