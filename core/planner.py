@@ -71,6 +71,11 @@ def statistics_refresh() -> list[str]:
             if behind:
                 cursor.execute(f"ANALYZE {', '.join(connection.ops.quote_name(table) for table in behind)}")
     except DatabaseError:
-        logger.warning("could not refresh the planner's statistics", exc_info=True)
+        if not _refused:  # said once per process: the check runs every few seconds
+            logger.warning("could not refresh the planner's statistics", exc_info=True)
+        _refused.append(True)
         return []
     return behind
+
+
+_refused: list[bool] = []

@@ -66,3 +66,17 @@ def test_a_table_is_analyzed_again_once_it_doubled_not_before(project, monkeypat
         services.run_create(project=project, name=f"last {number}", plan=make_plan(steps=1))
     refreshed_until({"runs_run"})
     assert reltuples("runs_run") >= 20
+
+
+def test_a_server_that_refuses_leaves_the_statistics_and_says_so_once(project, monkeypatch, caplog):
+    from django.db import DatabaseError
+
+    def refused(*args, **kwargs):
+        raise DatabaseError("must be owner of table runs_run")
+
+    monkeypatch.setattr(planner, "_refused", [])
+    monkeypatch.setattr(connection, "cursor", refused)
+    with caplog.at_level("WARNING", logger="orchestrator.planner"):
+        assert planner.statistics_refresh() == []
+        assert planner.statistics_refresh() == []
+    assert [record.getMessage() for record in caplog.records] == ["could not refresh the planner's statistics"]
