@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from django.db import DatabaseError, connection
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Model
 
 logger = logging.getLogger("orchestrator.planner")
@@ -36,6 +36,8 @@ STATISTICS_GROWTH = 2.0
 STATISTICS_MIN_GROWTH = 100
 STATISTICS_CHANGED_SHARE = 0.2
 STATISTICS_MIN_CHANGES = 1_000
+# How long an ANALYZE waits for a table's lock (held by a migration, a VACUUM) before it gives up.
+STATISTICS_LOCK_TIMEOUT_MS = 1_000
 
 
 def statistics_tables_register(*models: type[Model], churn: bool = False) -> None:
@@ -68,7 +70,11 @@ def statistics_refresh() -> list[str]:
                 {"tables": tables, "churn": churn, "growth": STATISTICS_GROWTH, "growth_min": STATISTICS_MIN_GROWTH,
                  "changes": STATISTICS_MIN_CHANGES, "share": STATISTICS_CHANGED_SHARE})
             behind = [row[0] for row in cursor.fetchall()]
-            if behind:
+        if behind:
+            with transaction.atomic(), connection.cursor() as cursor:
+                # A migration holding a table's lock makes the ANALYZE give up, not wait with the
+                # worker's heartbeat thread, which runs the maintenance.
+                cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{STATISTICS_LOCK_TIMEOUT_MS}ms"])
                 cursor.execute(f"ANALYZE {', '.join(connection.ops.quote_name(table) for table in behind)}")
     except DatabaseError:
         if not _refused:  # said once per process: the check runs every few seconds

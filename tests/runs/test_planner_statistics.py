@@ -80,3 +80,21 @@ def test_a_server_that_refuses_leaves_the_statistics_and_says_so_once(project, m
         assert planner.statistics_refresh() == []
         assert planner.statistics_refresh() == []
     assert [record.getMessage() for record in caplog.records] == ["could not refresh the planner's statistics"]
+
+
+def test_a_table_locked_by_a_migration_is_left_for_the_next_check(project, monkeypatch):
+    import psycopg
+
+    monkeypatch.setattr(planner, "STATISTICS_MIN_GROWTH", 5)
+    monkeypatch.setattr(planner, "STATISTICS_LOCK_TIMEOUT_MS", 200)
+    monkeypatch.setattr(planner, "_refused", [])
+    for number in range(6):
+        services.run_create(project=project, name=f"stats {number}", plan=make_plan(steps=1))
+    settings = connection.settings_dict
+    with psycopg.connect(host=settings["HOST"] or None, port=settings["PORT"] or None, user=settings["USER"],
+                         password=settings["PASSWORD"] or None, dbname=settings["NAME"]) as other:
+        other.execute("LOCK TABLE runs_run IN ACCESS EXCLUSIVE MODE")  # held until this block ends
+        started = time.monotonic()
+        assert planner.statistics_refresh() == []
+        assert time.monotonic() - started < 5  # gave up after its lock timeout
+    refreshed_until({"runs_run"})  # the next check takes them
