@@ -246,17 +246,25 @@ def _step_attempt_read_sql(guarded: bool) -> str:
     column says whether they were not."""
     qn = connection.ops.quote_name
     step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    first = "ORDER BY s.id"  # the attempts' columns in the first row only (``_step_attempt_kept`` reads it)
+    nodes = (f"{step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id")
+    of_run = "s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
+    head = (f"SELECT {{m}}, {{a}}, {_open_artifacts_sql('%s')}, {{tree}}"
+            f" FROM {qn(StepAttempt._meta.db_table)} m{{f}}"
+            f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s")
+    columns = f"{_tree_columns_sql('s', 't', 'g')}{_versions_sql('s', 't', 'g')}"
+    if not guarded:
+        first = "ORDER BY s.id"  # the attempts' columns in the first row only (``_step_attempt_kept`` reads it)
+        return (head.format(m=_first_columns(_STEP_ATTEMPT_ROWS, "m", first),
+                            a=_first_columns(_ATTEMPT_ROWS, "a", first), tree=columns, f="")
+                + f" LEFT JOIN ({nodes}) ON {of_run} WHERE m.id = %s ORDER BY s.id")
+    # The nodes in a subquery whose condition holds the versions' answer: when the tree held is
+    # current, the join is never run (a one-time filter), rather than run and its rows dropped.
+    first = "ORDER BY x.tree_order"
     check = f"WITH f AS MATERIALIZED (SELECT %s::text IS DISTINCT FROM ({_versions_text_sql()}) AS miss) "
-    return (f"{check if guarded else ''}"
-            f"SELECT {_first_columns(_STEP_ATTEMPT_ROWS, 'm', first)}, {_first_columns(_ATTEMPT_ROWS, 'a', first)},"
-            f" {_open_artifacts_sql('%s')}, {_tree_columns_sql('s', 't', 'g')}{_versions_sql('s', 't', 'g')}"
-            f"{', f.miss' if guarded else ''}"
-            f" FROM {qn(StepAttempt._meta.db_table)} m{' CROSS JOIN f' if guarded else ''}"
-            f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s"
-            f" LEFT JOIN ({step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id)"
-            " ON s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
-            f"{' AND f.miss' if guarded else ''} WHERE m.id = %s ORDER BY s.id")
+    return (check + head.format(m=_first_columns(_STEP_ATTEMPT_ROWS, "m", first),
+                                a=_first_columns(_ATTEMPT_ROWS, "a", first), tree="x.*, f.miss", f=" CROSS JOIN f")
+            + f" LEFT JOIN (SELECT {columns}, s.id AS tree_order FROM {nodes} WHERE {of_run}"
+            " AND (SELECT f.miss FROM f)) x ON true WHERE m.id = %s ORDER BY x.tree_order")
 
 
 def _versions_text_sql() -> str:
