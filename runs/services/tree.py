@@ -136,8 +136,9 @@ def _tree_columns_sql(step: str, task: str, agent: str) -> str:
     """The tree's columns (a step's, its task's, its agent's), a task's and an agent's sent with its
     first step only (the statement orders its rows by step: ``_tree_steps`` loads a node from the
     first row that names it)."""
-    return (f"{_STEP_ROWS.columns(step)}, {_first_columns(_TASK_ROWS, task, f'PARTITION BY {task}.id ORDER BY {step}.id')},"
-            f" {_first_columns(_AGENT_ROWS, agent, f'PARTITION BY {agent}.id ORDER BY {step}.id')}")
+    tasks = _first_columns(_TASK_ROWS, task, f"PARTITION BY {task}.id ORDER BY {step}.id")
+    agents = _first_columns(_AGENT_ROWS, agent, f"PARTITION BY {agent}.id ORDER BY {step}.id")
+    return f"{_STEP_ROWS.columns(step)}, {tasks}, {agents}"
 
 
 @per_vendor
