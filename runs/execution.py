@@ -95,11 +95,12 @@ def _schedule(run: Run) -> list[int]:
     every step that may start now (one already queued is left to its job), or a tick for when the
     first backoff ends."""
     run_events_flush()  # the run's own events before the jobs'
-    services.heartbeat_record(run, timezone.now())
-    steps = services.runnable_steps(run)
+    now = timezone.now()
+    services.heartbeat_record(run, now)
+    steps = services.runnable_steps(run, now=now)
     _steps_enqueue(run, steps)
     if not steps:
-        _wake_after_backoff(run)
+        _wake_after_backoff(run, now)
     return [step.pk for step in steps]
 
 
@@ -181,7 +182,8 @@ class _Chain:
             run.refresh_from_db(fields=["status"])
         if run.status != Run.Status.RUNNING:
             return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
-        steps = services.runnable_steps(run)
+        now = timezone.now()  # one instant for what may start and what waits: none falls between the two
+        steps = services.runnable_steps(run, now=now)
         # Every run_step job of the run is enqueued or pointed at its step under the run's lock, so
         # which steps have a job on the way cannot change meanwhile: the retarget skips a step whose
         # key a job holds, and the other steps are looked up together.
@@ -200,7 +202,7 @@ class _Chain:
             self.next_recorded = _command_record(run, mine, self.next_attempt)
         if not steps:
             run_events_flush()
-            _wake_after_backoff(run)
+            _wake_after_backoff(run, now)
 
 
 def _steps_enqueue(run: Run, steps: list[Step], *, flush: bool = False) -> None:
@@ -237,12 +239,14 @@ def _command_record(run: Run, step: Step, attempt: StepAttempt) -> dict:
     return {"step": step, "command": command}
 
 
-def _wake_after_backoff(run: Run) -> None:
-    """No step may start now: when none is running either, tick the run when its first backoff ends."""
+def _wake_after_backoff(run: Run, now) -> None:
+    """No step may start at ``now`` (the instant the runnable steps were found at): when none is
+    running either, tick the run when its first backoff ends. The same instant as theirs: a backoff
+    that ended after it but before this read would otherwise be neither started nor waited for."""
     current = Step.objects.filter(run=run, task__agent__attempt_number=run.attempt_number)
     if current.filter(status=NodeStatus.RUNNING).exists():
         return
-    wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=timezone.now()).aggregate(
+    wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=now).aggregate(
         at=Min("not_before"))["at"]
     if wake_at is not None:
         run_dispatch(run.pk, not_before=wake_at)

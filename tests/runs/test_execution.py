@@ -41,6 +41,36 @@ def finish(run, timeout=20.0):
     return run
 
 
+def test_a_backoff_ending_while_a_tick_looks_is_still_waited_for(project, monkeypatch):
+    """The tick finds no step to start; the step's backoff ends before it looks for what waits. It
+    must still tick the run again when that backoff ends (else the step waits for ever)."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from jobs.models import Job
+    from runs import execution
+
+    run = start(project, make_plan(steps=1))
+    services.run_mark_running(run_id=run.pk)  # its nodes written; the tick run_start queued still waits
+    ends = timezone.now() + timedelta(seconds=30)
+    Step.objects.filter(run=run).update(not_before=ends)  # a retry's backoff, as a failed try leaves it
+    clock = {"now": ends - timedelta(milliseconds=1)}
+    monkeypatch.setattr(timezone, "now", lambda: clock["now"])
+    found = execution.services.runnable_steps
+
+    def runnable_then_later(run, **kwargs):
+        steps = found(run, **kwargs)
+        clock["now"] = ends + timedelta(milliseconds=1)  # the backoff ends just after the runnable steps are found
+        return steps
+
+    monkeypatch.setattr(execution.services, "runnable_steps", runnable_then_later)
+    drain_jobs(until=lambda: Job.objects.filter(run_id=run.pk, type="run_tick", state="completed").exists(),
+               timeout=10)
+    woken = Job.objects.filter(run_id=run.pk, type="run_tick", state="queued").values_list("not_before", flat=True)
+    assert list(woken) == [ends]
+
+
 def test_a_two_by_three_by_two_plan_completes_and_settles(project):
     run = finish(start(project, make_plan(agents=2, tasks=3, steps=2)))
     assert run.status == Run.Status.COMPLETED
