@@ -28,11 +28,10 @@ class JobsConfig(AppConfig):
         cluster_queue.install()  # a worker killed while idle must not freeze its cluster
 
         from core.metrics import COLLECTORS, COMPACTORS, DERIVED
+        from core.planner import statistics_tables_register
         from jobs import definitions  # noqa: F401  (registers the built-in job types)
         from jobs import runbooks
         from jobs.metrics import JOB_COUNTERS, job_counters_rollup, jobs_collect
-
-        from core.planner import statistics_tables_register
         from jobs.models import CommandRecord, Job
 
         statistics_tables_register(Job, churn=True)  # the claim's plans depend on how many jobs wait
