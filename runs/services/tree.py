@@ -141,16 +141,27 @@ def _tree_columns_sql(step: str, task: str, agent: str) -> str:
     return f"{_STEP_ROWS.columns(step)}, {tasks}, {agents}"
 
 
+def _nodes_sql(step: str, task: str, agent: str) -> tuple[str, str]:
+    """A run's attempt's nodes under these aliases: the steps joined to their tasks and agents, and
+    the condition that keeps that run's (each table by its own run index: the run's rows only,
+    whatever the planner's statistics say) of that attempt; its parameters the run's id three
+    times and the attempt's number."""
+    qn = connection.ops.quote_name
+    steps, tasks, agents = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    joined = (f"{steps} {step} INNER JOIN {tasks} {task} ON {task}.id = {step}.task_id"
+              f" INNER JOIN {agents} {agent} ON {agent}.id = {task}.agent_id")
+    return joined, (f"{step}.run_id = %s AND {task}.run_id = %s AND {agent}.run_id = %s"
+                    f" AND {agent}.attempt_number = %s")
+
+
 @per_vendor
 def _tree_sql() -> str:
     """The current attempt's nodes of a run: each table filtered by its own run index (the run's
     rows only, whatever the planner's statistics say: a fresh or just-grown table is never joined
     whole), in the order of the steps (the tree sorts its levels)."""
-    qn = connection.ops.quote_name
-    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    return (f"SELECT {_tree_columns_sql('s', 't', 'a')}{_versions_sql('s', 't', 'a')}"
-            f" FROM {step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} a ON a.id = t.agent_id"
-            " WHERE s.run_id = %s AND t.run_id = %s AND a.run_id = %s AND a.attempt_number = %s ORDER BY s.id")
+    nodes, of_run = _nodes_sql("s", "t", "a")
+    columns = f"{_tree_columns_sql('s', 't', 'a')}{_versions_sql('s', 't', 'a')}"
+    return f"SELECT {columns} FROM {nodes} WHERE {of_run} ORDER BY s.id"
 
 
 def _run_tree(run: Run) -> RunTree:
@@ -246,9 +257,7 @@ def _step_attempt_read_sql(guarded: bool) -> str:
     nodes' versions (``_versions_text_sql``) are not those given (its first parameters); the last
     column says whether they were not."""
     qn = connection.ops.quote_name
-    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
-    nodes = (f"{step} s INNER JOIN {task} t ON t.id = s.task_id INNER JOIN {agent} g ON g.id = t.agent_id")
-    of_run = "s.run_id = %s AND t.run_id = %s AND g.run_id = %s AND g.attempt_number = %s"
+    nodes, of_run = _nodes_sql("s", "t", "g")
     head = (f"SELECT {{m}}, {{a}}, {_open_artifacts_sql('%s')}, {{tree}}"
             f" FROM {qn(StepAttempt._meta.db_table)} m{{f}}"
             f" LEFT JOIN {qn(RunAttempt._meta.db_table)} a ON a.number = %s AND a.run_id = %s")
@@ -272,12 +281,9 @@ def _versions_text_sql() -> str:
     """PostgreSQL: the row versions of a run's attempt's tree as one text (``_versions_text`` builds
     the same from the nodes held): each step's id and its, its task's and its agent's ``xmin``,
     in the order of the steps; its parameters the run's id three times and the attempt's number."""
-    qn = connection.ops.quote_name
-    step, task, agent = (qn(model._meta.db_table) for model in (Step, Task, Agent))
+    nodes, of_run = _nodes_sql("x", "y", "z")
     return ("SELECT string_agg(x.id::text || ':' || x.xmin::text || ':' || y.xmin::text || ':' || z.xmin::text, ','"
-            f" ORDER BY x.id) FROM {step} x INNER JOIN {task} y ON y.id = x.task_id"
-            f" INNER JOIN {agent} z ON z.id = y.agent_id"
-            " WHERE x.run_id = %s AND y.run_id = %s AND z.run_id = %s AND z.attempt_number = %s")
+            f" ORDER BY x.id) FROM {nodes} WHERE {of_run}")
 
 
 # A tree handed from the transaction that left it to the next that reads its run's step attempt:
