@@ -21,8 +21,8 @@ class RunsConfig(AppConfig):
         event_scope_register(
             "run", lambda pk: Run.objects.filter(pk=pk).values_list("organization_id", flat=True).first())
 
-        if execution.run_dispatch not in services.RUN_DISPATCHERS:
-            services.RUN_DISPATCHERS.append(execution.run_dispatch)
+        if execution.run_dispatch_locked not in services.RUN_DISPATCHERS:
+            services.RUN_DISPATCHERS.append(execution.run_dispatch_locked)
         if runs_reap not in MAINTENANCE_HOOKS:
             MAINTENANCE_HOOKS.append(runs_reap)
         if run_heartbeat_hook not in HEARTBEAT_HOOKS:

@@ -20,10 +20,11 @@ from django.db.models import Min
 from django.utils import timezone
 
 from core.errors import InvalidTransition, NotFound, ValidationFailed
+from core.models import Project
 from core.tracing import traced
 from jobs.errors import CommandConflict
 from jobs.registry import Dedupe, JobCancelled, JobDefinition, JobTimeout, RetryPolicy, register, run_lane_key
-from jobs.services import job_enqueue, job_retarget, jobs_enqueue_many
+from jobs.services import job_retarget, jobs_enqueue_many
 from jobs.tools import tool_get
 from runs import services
 from runs.models import NodeStatus, Run, Step, StepAttempt
@@ -66,12 +67,26 @@ def _validate_step(payload: dict) -> dict:
 
 
 def run_dispatch(run_id: int, *, not_before=None) -> None:
-    """Ask a worker to look at the run (a ``run_tick`` job), now or at ``not_before``."""
-    run = Run.objects.select_related("project").filter(pk=run_id).first()
-    if run is None:
-        return
-    job_enqueue(job_type="run_tick", project=run.project, payload={"run": run_id}, run_id=run_id,
-                priority=run.priority, not_before=not_before)
+    """Ask a worker to look at the run (a ``run_tick`` job), now or at ``not_before``: its own
+    transaction, for a caller that holds no lock of the run (the reaper, a step job once its
+    transaction ended)."""
+    run = Run.objects.filter(pk=run_id).first()
+    if run is not None:
+        with run_atomic():
+            run_dispatch_locked(run, not_before=not_before)
+
+
+def run_dispatch_locked(run: Run, *, not_before=None) -> None:
+    """In the caller's transaction (the one that moved the run, under its lock, or ``run_dispatch``'s
+    own): queue the run's ``run_tick`` job, after the transaction's run events (the move's come
+    first in the stream). No savepoint: a queue cap that is reached (``QueueFull``) fails the
+    caller's transaction, so a start, a resume or a retry is all done or not at all."""
+    run_events_flush()
+    # The job needs the project's id and its organization's, which the run carries: the project's
+    # row is not read for them.
+    project = Project(pk=run.project_id, organization_id=run.organization_id)
+    jobs_enqueue_many(job_type=RUN_TICK.type, project=project, payloads=[{"run": run.pk}], run_id=run.pk,
+                      priority=run.priority, not_before=not_before, savepoint=False)
 
 
 def _tick(ctx, payload: dict) -> dict:
@@ -249,7 +264,7 @@ def _wake_after_backoff(run: Run, now) -> None:
     wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=now).aggregate(
         at=Min("not_before"))["at"]
     if wake_at is not None:
-        run_dispatch(run.pk, not_before=wake_at)
+        run_dispatch_locked(run, not_before=wake_at)
 
 
 def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:

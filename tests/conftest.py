@@ -109,3 +109,15 @@ def plan():
 @pytest.fixture
 def db_vendor():
     return connection.vendor
+
+
+def run_ticked(run_id: int):
+    """What a worker's ``run_tick`` does to a started run, done by hand: pending → running, and the
+    tick job queued with the start gone (finished, its row retired), so that no job of the run
+    waits in the queue but those the test queues."""
+    from jobs.models import Job
+    from runs import services
+
+    run = services.run_mark_running(run_id=run_id)
+    Job.objects.filter(run_id=run_id, type="run_tick", state="queued").delete()
+    return run

@@ -176,7 +176,7 @@ def _enqueue_many_attributes(*args, job_type=None, project=None, run_id=None, **
         result_attributes=lambda results: {"jobs": len(results)})
 def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id: int | None = None,
                       priority: int | None = None, not_before=None, actor=None,
-                      dedupe_checked: bool = False) -> list[EnqueueResult]:
+                      dedupe_checked: bool = False, savepoint: bool = True) -> list[EnqueueResult]:
     """Queue several jobs of one type in one transaction: all of them or none.
 
     Every payload is validated first (``ValidationFailed`` names the bad ones by index; nothing
@@ -191,6 +191,8 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
     this type's dedupe keys for these payloads holds, and found no active job holding them (the run
     engine's ``run_step`` jobs, under their run's lock): a deduplicated type is written in bulk too,
     with its keys (a key held after all fails the caller's transaction, as any failed statement).
+    ``savepoint=False``: no savepoint either for a type without dedupe; the caller's transaction
+    fails with any error here (a cap reached among them) and is not meant to go on after one.
     """
     if not settings.ORCHESTRATOR_QUEUE_ENABLED:
         raise QueueDisabled("the job queue is disabled (ORCHESTRATOR_QUEUE_ENABLED=false)")
@@ -215,7 +217,8 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
         with transaction.atomic():
             return [job_enqueue(job_type=job_type, project=project, payload=payload, run_id=run_id, priority=priority,
                                 not_before=not_before, actor=actor) for payload, _ in valid]
-    with transaction.atomic(savepoint=not dedupe_checked):  # dedupe_checked: the caller's transaction fails with it
+    # dedupe_checked or not savepoint: the caller's transaction fails with it
+    with transaction.atomic(savepoint=savepoint and not dedupe_checked):
         deduped = definition.dedupe.mode != "none"
         jobs = [_new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
                          if deduped else None, run_id=run_id, priority=priority, not_before=not_before)

@@ -54,18 +54,20 @@ from runs.services.tree import (
     _tree_steps,
 )
 
-# Called after commit with a run id whenever a run needs a worker (start, resume, retry).
-# The execution engine registers itself here; nothing is called when none is registered.
-RUN_DISPATCHERS: list[Callable[[int], None]] = []
+# Called with the run, locked, in the transaction that moves it where it needs a worker (start,
+# resume, retry): the worker's job is queued with the move, so a committed move always has its job
+# and a rolled-back one none. The execution engine registers itself here; nothing is called when
+# none is registered.
+RUN_DISPATCHERS: list[Callable[[Run], None]] = []
 
 
 # Called after commit with the id of every failed step attempt (diagnosis registers here).
 STEP_FAILURE_HOOKS: list[Callable[[int], None]] = []
 
 
-def _dispatch_after_commit(run_id: int) -> None:
+def _dispatch(run: Run) -> None:
     for dispatcher in RUN_DISPATCHERS:
-        transaction.on_commit(lambda dispatcher=dispatcher: dispatcher(run_id))
+        dispatcher(run)
 
 
 def _lock_run(run_id: int) -> Run:

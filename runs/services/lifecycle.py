@@ -38,7 +38,7 @@ from runs.selectors import run_current_attempt
 from runs.services.common import (
     _apply,
     _close_attempt,
-    _dispatch_after_commit,
+    _dispatch,
     _duration_ms,
     _lock_run,
     _lock_run_moved,
@@ -125,7 +125,7 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
         run.credits_reserved = before["credits_reserved"]  # what _reserve adds as it reserves
         _reserve(run, RunAttempt(run=run, number=run.attempt_number), actor=actor, reason=reason)
         _record_run_change(run, before=before, action="start", actor=actor, reason=reason, moved=True)
-        _dispatch_after_commit(run.pk)
+        _dispatch(run)
         return run
     run = _lock_run(run_id)
     if run.status == Run.Status.PENDING:
@@ -138,7 +138,7 @@ def run_start(*, run_id: int, actor=None, reason: str = "") -> Run:
     attempt = RunAttempt(run=run, number=run.attempt_number)  # inserted with its reservation
     _reserve(run, attempt, actor=actor, reason=reason)
     _record_run_change(run, before=before, action="start", actor=actor, reason=reason)
-    _dispatch_after_commit(run.pk)
+    _dispatch(run)
     return run
 
 
@@ -274,7 +274,7 @@ def run_resume(*, run_id: int, actor=None, reason: str = "") -> Run:
         _nodes_move(model.objects.filter(run=run, status=NodeStatus.PAUSED, **filters), "unpause", run=run)
     run.status_reason = ""
     _record_run_change(run, before=before, action="resume", actor=actor, reason=reason)
-    _dispatch_after_commit(run.pk)
+    _dispatch(run)
     return run
 
 

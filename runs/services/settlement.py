@@ -22,7 +22,7 @@ from runs.services.common import (
     _apply,
     _close_attempt,
     _current_attempt,
-    _dispatch_after_commit,
+    _dispatch,
     _duration_ms,
     _record_run_change,
     _run_tree,
@@ -90,6 +90,6 @@ def _retry_locked(run: Run, *, actor=None, reason: str = "", plan: dict | None =
     _reserve(run, attempt, actor=actor, reason=reason)
     run.status_reason = ""
     _record_run_change(run, before=before, action="retry", actor=actor, reason=reason, audit_after=audit_after)
-    _dispatch_after_commit(run.pk)
+    _dispatch(run)
     return run
 

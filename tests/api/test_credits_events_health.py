@@ -89,7 +89,8 @@ def test_events_are_envelopes_in_id_order_with_a_cursor(tenant):
     everything = tenant.client.get("/api/v1/events/?limit=500").json()["results"]
     assert seen == [e["id"] for e in everything] == sorted(seen)
     run_events = tenant.client.get(f"/api/v1/events/?run={run['id']}").json()["results"]
-    assert [e["type"] for e in run_events] == ["run_created", "ledger_reserve", "run_pending"]
+    assert [e["type"] for e in run_events] == ["run_created", "ledger_reserve", "run_pending",
+                                               "orchestrator_job_queued"]
     project_events = tenant.client.get(f"/api/v1/events/?project={tenant.project.pk}").json()["results"]
     assert {e["project"] for e in project_events} == {tenant.project.pk}
     after = tenant.client.get(f"/api/v1/events/?after={everything[-2]['id']}").json()

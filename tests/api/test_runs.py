@@ -179,11 +179,12 @@ def test_run_events_after_an_id(tenant):
     run = create_run(tenant)
     tenant.client.post(f"/api/v1/runs/{run['id']}/start/", format="json")
     page = tenant.client.get(f"/api/v1/runs/{run['id']}/events/").json()
-    assert [event["type"] for event in page["results"]] == ["run_created", "ledger_reserve", "run_pending"]
+    assert [event["type"] for event in page["results"]] == ["run_created", "ledger_reserve", "run_pending",
+                                                            "orchestrator_job_queued"]  # its tick, queued with it
     assert all(event["run"] == run["id"] for event in page["results"])
     assert page["next"] is None and page["last_id"] == page["results"][-1]["id"]
     later = tenant.client.get(f"/api/v1/runs/{run['id']}/events/?after={page['results'][0]['id']}").json()
-    assert [event["type"] for event in later["results"]] == ["ledger_reserve", "run_pending"]
+    assert [event["type"] for event in later["results"]] == ["ledger_reserve", "run_pending", "orchestrator_job_queued"]
     one = tenant.client.get(f"/api/v1/runs/{run['id']}/events/?limit=1").json()
     assert len(one["results"]) == 1 and "after=" in one["next"] and one["last_id"] == page["results"][0]["id"]
     assert_error(tenant.client.get(f"/api/v1/runs/{run['id']}/events/?limit=0"), 400, "validation_error")

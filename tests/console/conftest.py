@@ -17,7 +17,7 @@ from runs.services import escalations
 from runs.pipeline import gates
 from runs.models import EscalationTicket, Run, Step
 from tests.api.conftest import other, tenant, tenant_factory  # noqa: F401  (fixtures, for the retention tests)
-from tests.conftest import make_plan
+from tests.conftest import make_plan, run_ticked
 
 VIEW_APPS = ("core", "billing", "jobs", "runs")
 PLAN_STEPS = 3
@@ -96,7 +96,7 @@ def build_run(project, state: str, *, name: str | None = None, max_attempts: int
     services.run_start(run_id=run.pk)
     if state == "pending":
         return Run.objects.get(pk=run.pk)
-    services.run_mark_running(run_id=run.pk)
+    run_ticked(run.pk)
     attempt = services.step_begin(step_id=_step(run.pk, "s0").pk)
     services.step_attempt_succeed(attempt_id=attempt.pk, output={"ok": True})
     if state == "awaiting_approval":
@@ -166,7 +166,8 @@ def job_in(project, define_job):
     define_job(type="console_probe", run=lambda ctx, payload: {"ok": True}, lane=lambda payload, project_id: "")
 
     def make(state: str = "executing"):
-        job = job_enqueue(job_type="console_probe", project=project, payload={}).job
+        # Ahead of any run's tick queued meanwhile (lower runs first), so that it is the one claimed.
+        job = job_enqueue(job_type="console_probe", project=project, payload={}, priority=0).job
         if state == "queued":
             return job
         claimed = job_claim(worker="console-test")

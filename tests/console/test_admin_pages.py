@@ -11,7 +11,7 @@ from django.urls import reverse
 
 from runs import services
 from runs.models import Run
-from tests.conftest import make_plan
+from tests.conftest import make_plan, run_ticked
 from tests.console.conftest import build_run
 
 pytestmark = pytest.mark.django_db
@@ -72,11 +72,11 @@ def test_run_page_shows_the_tree_timeline_audit_and_inlines_in_fixed_queries(vie
     escalation(small)
     big = services.run_create(project=project, name="big", plan=make_plan(agents=4, tasks=3, steps=3))
     services.run_start(run_id=big.pk)
-    services.run_mark_running(run_id=big.pk)
+    run_ticked(big.pk)
     services.run_fail(run_id=big.pk, code="worker_lost", message="gone")
     services.run_retry(run_id=big.pk, actor=operator, reason="try again")
     services.run_requeue(run_id=big.pk)
-    services.run_mark_running(run_id=big.pk)
+    run_ticked(big.pk)
 
     def page(run):
         with CaptureQueriesContext(connection) as queries:

@@ -16,6 +16,7 @@ from rest_framework.test import APIClient
 from billing.services import organization_create
 from runs import services
 from runs.models import Run, Step, StepAttempt
+from tests.conftest import run_ticked
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +54,7 @@ def one_task_plan(*steps: dict, task_mode: str = "fail-fast", agent_mode: str = 
 def running_run(project, plan: dict, **options) -> Run:
     run = services.run_create(project=project, name="diagnosed", plan=plan, **options)
     services.run_start(run_id=run.pk)
-    return services.run_mark_running(run_id=run.pk)
+    return run_ticked(run.pk)
 
 
 def current_step(run_id: int, name: str) -> Step:

@@ -255,8 +255,8 @@ def test_a_cancelled_or_failed_job_leaves_a_one_line_summary(project, fail_step,
 
 
 def test_a_refused_enqueue_leaves_a_summary(project, fail_step, settings):
-    settings.ORCHESTRATOR_QUEUE_ENABLED = False
     run = running_run(project, one_task_plan(drill("s0")))
+    settings.ORCHESTRATOR_QUEUE_ENABLED = False  # once the run started (its start queues its tick)
     attempt = fail_step(run, "s0")
     explanation = explanation_of(attempt)
     assert explanation.status == Explanation.Status.SUMMARY

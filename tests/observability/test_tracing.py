@@ -74,10 +74,11 @@ def test_request_enqueue_job_and_step_spans_form_one_trace(spans, tenant, caplog
     assert {hex_trace(span) for span in finished if span.parent is not None or span.kind != trace.SpanKind.CLIENT} \
         == {trace_id}
 
-    tick_enqueue = next(span for span in finished if span.name == "job enqueue"
+    tick_enqueue = next(span for span in finished if span.name == "jobs enqueue many"  # in the start's transaction
                         and span.attributes["orchestrator.job_type"] == "run_tick")
     assert parent_of(tick_enqueue, finished) is request
-    tick_job = Job.objects.get(pk=tick_enqueue.attributes["orchestrator.job_id"])
+    assert (tick_enqueue.attributes["orchestrator.run_id"], tick_enqueue.attributes["orchestrator.jobs"]) == (run_id, 1)
+    tick_job = Job.objects.get(run_id=run_id, type="run_tick")
     enqueue_id = trace.format_span_id(tick_enqueue.context.span_id)
     assert tick_job.traceparent == f"00-{trace_id}-{enqueue_id}-{int(tick_enqueue.context.trace_flags):02x}"
 

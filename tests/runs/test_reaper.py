@@ -25,6 +25,12 @@ def started(project, **options):
     return services.run_start(run_id=run.pk)
 
 
+def ticks_gone(run):
+    """The run's ``run_tick`` jobs (queued with its start) gone, as once a worker that ran them
+    finished and their rows were retired: nothing of the run waits in the queue any more."""
+    Job.objects.filter(run_id=run.pk, type="run_tick").delete()
+
+
 def test_a_pending_run_past_its_timeout_fails_and_refunds(project):
     run = started(project)
     assert runs_reap()["timed_out"] == 0
@@ -59,6 +65,7 @@ def test_a_silent_running_run_fails_with_heartbeat_timeout_unless_its_work_waits
     job_enqueue(job_type="noop", project=project, payload={}, run_id=waiting.pk)
     silent = started(project)
     services.run_mark_running(run_id=silent.pk)
+    ticks_gone(silent)
     soon = timezone.now() + timedelta(seconds=settings.ORCHESTRATOR_RUN_HEARTBEAT_TIMEOUT_S + 5)
     done = runs_reap(now=soon)
     waiting.refresh_from_db()
@@ -69,8 +76,10 @@ def test_a_silent_running_run_fails_with_heartbeat_timeout_unless_its_work_waits
 
 
 def test_an_active_run_without_any_job_is_dispatched_again(project, django_capture_on_commit_callbacks):
-    run = started(project)  # run_start's dispatch is an on-commit callback that never ran here
-    assert not Job.objects.filter(run_id=run.pk).exists()
+    run = started(project)
+    assert Job.objects.filter(run_id=run.pk, type="run_tick").count() == 1  # queued with the start
+    assert runs_reap(now=timezone.now() + timedelta(seconds=30))["redispatched"] == 0
+    ticks_gone(run)  # lost: a worker that took it died, and its row is gone
     assert runs_reap(now=timezone.now() + timedelta(seconds=30))["redispatched"] == 1
     assert Job.objects.filter(run_id=run.pk, type="run_tick").count() == 1
     assert runs_reap(now=timezone.now() + timedelta(seconds=30))["redispatched"] == 0  # it has one now

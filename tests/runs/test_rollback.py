@@ -1,8 +1,8 @@
 """A failure after a transition but before commit leaves nothing behind (DESIGN STYLE §1–2).
 
 The FSM call, the ledger entry, the event and the audit row are written in one transaction:
-an exception anywhere before commit rolls all of them back, and the work dispatched after
-commit never happens.
+an exception anywhere before commit rolls all of them back, the worker's job queued with the move
+among them.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from django.db import transaction
 
 from billing.models import CreditAccount, LedgerEntry
 from core.models import AuditRecord, Event
+from jobs.models import Job
 from runs import outbox, services
 from runs.invariants import invariants_check
 from runs.models import Agent, Run, RunAttempt, Step, StepAttempt, Task
@@ -24,12 +25,9 @@ class Boom(Exception):
     pass
 
 
-@pytest.fixture
-def dispatched(monkeypatch):
-    """Run ids handed to a worker (only ever after commit)."""
-    calls: list[int] = []
-    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [calls.append])
-    return calls
+def dispatched(run: Run) -> list[str]:
+    """The states of the run's ``run_tick`` jobs (a worker's: queued in the transaction that moved it)."""
+    return list(Job.objects.filter(run_id=run.pk, type="run_tick").order_by("pk").values_list("state", flat=True))
 
 
 @pytest.fixture
@@ -42,6 +40,7 @@ def world(run: Run) -> dict:
         "run": Run.objects.filter(pk=run.pk).values().get(),
         "ledger": list(LedgerEntry.objects.values_list("pk", flat=True)),
         "events": list(Event.objects.values_list("pk", flat=True)),
+        "jobs": list(Job.objects.values_list("pk", "state")),
         "audit": list(AuditRecord.objects.values_list("pk", flat=True)),
         "attempts": list(RunAttempt.objects.filter(run=run).values()),
         "nodes": [list(model.objects.filter(run=run).order_by("pk").values_list("pk", "status"))
@@ -79,7 +78,7 @@ def running_run(project) -> Run:
     return services.run_mark_running(run_id=run.pk)
 
 
-def test_start_failing_after_its_transition_leaves_no_reservation(project, monkeypatch, operator, dispatched,
+def test_start_failing_after_its_transition_leaves_no_reservation(project, monkeypatch, operator,
                                                                   django_capture_on_commit_callbacks):
     run = created_run(project)
     before = world(run)
@@ -93,14 +92,13 @@ def test_start_failing_after_its_transition_leaves_no_reservation(project, monke
     assert Run.objects.get(pk=run.pk).status == Run.Status.CREATED
     assert not LedgerEntry.objects.filter(run=run).exists()
     assert not RunAttempt.objects.filter(run=run).exists()
-    assert callbacks == [] and dispatched == []
+    assert callbacks == [] and dispatched(run) == []
     assert invariants_check() == []
 
     monkeypatch.undo()  # the same start, without the failure, goes through once
-    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [dispatched.append])
     with django_capture_on_commit_callbacks(execute=True):
         services.run_start(run_id=run.pk, actor=operator)
-    assert dispatched == [run.pk]
+    assert dispatched(run) == ["queued"]
     assert LedgerEntry.objects.filter(run=run, kind="reserve").count() == 1
 
 
@@ -134,8 +132,7 @@ def test_cancel_failing_on_its_event_leaves_the_run_running(project, monkeypatch
 
 
 @pytest.mark.parametrize("action", ["run_fail", "run_pause", "run_retry", "run_complete_by_step"])
-def test_every_transition_rolls_back_as_a_whole(project, monkeypatch, action, dispatched,
-                                                 django_capture_on_commit_callbacks):
+def test_every_transition_rolls_back_as_a_whole(project, monkeypatch, action, django_capture_on_commit_callbacks):
     run = running_run(project)
     if action == "run_retry":
         services.run_fail(run_id=run.pk, code="worker_lost", message="gone")
@@ -159,13 +156,12 @@ def test_every_transition_rolls_back_as_a_whole(project, monkeypatch, action, di
             else:  # the last step's result completes the run, then the run's event fails
                 services.step_attempt_succeed(attempt_id=last_step.pk)
 
-    assert world(run) == before
-    assert callbacks == [] and dispatched == []
+    assert world(run) == before  # the retry's tick among what is not there
+    assert callbacks == []
     assert invariants_check() == []
 
 
-def test_an_outer_transaction_that_fails_takes_the_transition_with_it(project, dispatched,
-                                                                      django_capture_on_commit_callbacks):
+def test_an_outer_transaction_that_fails_takes_the_transition_with_it(project, django_capture_on_commit_callbacks):
     run = created_run(project)
     before = world(run)
 
@@ -175,10 +171,11 @@ def test_an_outer_transaction_that_fails_takes_the_transition_with_it(project, d
                 started = services.run_start(run_id=run.pk)
                 assert started.status == Run.Status.PENDING
                 assert LedgerEntry.objects.filter(run=run).count() == 1
+                assert dispatched(run) == ["queued"]
                 raise Boom("the caller failed after the service returned")
 
     assert world(run) == before
-    assert callbacks == [] and dispatched == []
+    assert callbacks == [] and dispatched(run) == []
 
 
 def test_a_step_result_failing_before_commit_is_not_charged_and_can_be_delivered_again(project, monkeypatch):
@@ -240,19 +237,16 @@ def test_an_error_in_the_automatic_retry_rolls_back_the_whole_step_result(projec
     assert invariants_check() == []
 
 
-def test_resume_and_retry_hand_the_run_to_a_worker_after_commit(project, dispatched,
-                                                                django_capture_on_commit_callbacks):
+def test_resume_and_retry_queue_the_runs_tick_with_their_move(project, django_capture_on_commit_callbacks):
     run = running_run(project)
     services.run_pause(run_id=run.pk)
+    before = dispatched(run)
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         services.run_resume(run_id=run.pk)
-    assert dispatched == [] and callbacks  # the dispatch (and the transition's log line) wait for the commit
-    for callback in callbacks:
-        callback()
-    assert dispatched == [run.pk]
+        assert dispatched(run) == [*before, "queued"]  # in the resume's transaction
+    assert callbacks  # the workers' wake-up (and the transition's log line) wait for the commit
 
     services.run_mark_running(run_id=run.pk)
     services.run_fail(run_id=run.pk, code="worker_lost", message="gone")
-    with django_capture_on_commit_callbacks(execute=True):
-        services.run_retry(run_id=run.pk)
-    assert dispatched == [run.pk, run.pk]
+    services.run_retry(run_id=run.pk)
+    assert dispatched(run) == [*before, "queued", "queued"]

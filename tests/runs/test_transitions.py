@@ -548,17 +548,17 @@ def test_a_retried_run_runs_a_fresh_hierarchy_and_keeps_the_old_one(run_in_state
     assert invariants_check() == []
 
 
-def test_start_dispatches_a_worker_only_after_commit(run_in_state, monkeypatch, django_capture_on_commit_callbacks):
-    dispatched: list[int] = []
-    monkeypatch.setattr("runs.services.common.RUN_DISPATCHERS", [dispatched.append])
+def test_start_queues_its_tick_in_its_own_transaction(run_in_state, django_capture_on_commit_callbacks):
+    from jobs.models import Job
+
     run = run_in_state("created")
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         services.run_start(run_id=run.pk)
-    assert dispatched == [] and callbacks  # the dispatch (and the transition's log line) wait for the commit
-    for callback in callbacks:
-        callback()
-    assert dispatched == [run.pk]
-    # A repeated start (already pending) dispatches nothing more.
+        tick = Job.objects.get(run_id=run.pk)  # written with the start: committed with it or not at all
+    assert (tick.type, tick.state, tick.payload, tick.priority) == ("run_tick", "queued", {"run": run.pk}, run.priority)
+    assert (tick.project_id, tick.organization_id) == (run.project_id, run.organization_id)
+    assert callbacks  # the workers' wake-up (and the transition's log line) wait for the commit
+    # A repeated start (already pending) queues nothing more.
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
         services.run_start(run_id=run.pk)
-    assert callbacks == [] and dispatched == [run.pk]
+    assert callbacks == [] and Job.objects.filter(run_id=run.pk).count() == 1
