@@ -1,12 +1,14 @@
 """Runs made of jobs.
 
-``run_tick`` (lane ``run:<id>``, so one per run at a time) moves a run along: retrying →
-pending → running (spawning its agents), resuming → running, then enqueues a ``run_step``
-job for every step that may start now. ``run_step`` executes one step attempt: the tool is
-invoked through the execution command layer with the attempt's idempotency key (run,
-attempt, step, try), so a replayed step never repeats its side effect; the outcome is
-recorded by the run services (charge, retry with backoff, propagation), then the run is
-ticked again. Both are idempotent: a tick or a step for a run that moved on does nothing.
+A started run's job (a ``run_step`` job with its run alone, queued with the start) moves it to
+running (spawning its agents), queues a ``run_step`` job for every other step that may start now
+and executes the first one itself. ``run_step`` executes a step attempt: the tool is invoked
+through the execution command layer with the attempt's idempotency key (run, attempt, step, try),
+so a replayed step never repeats its side effect; the outcome is recorded by the run services
+(charge, retry with backoff, propagation), and in that same transaction the job goes on with the
+run's next runnable step (``_Chain``). ``run_tick`` (lane ``run:<id>``, so one per run at a time)
+moves a resumed or retried run along the same way, and wakes a run whose steps wait out a backoff.
+Both are idempotent: a tick or a step for a run that moved on does nothing.
 """
 
 from __future__ import annotations
@@ -56,14 +58,21 @@ def _validate_tick(payload: dict) -> dict:
 
 
 def _validate_step(payload: dict) -> dict:
+    """``{"run", "step", "round"}``: a step's attempt; ``{"run"}`` alone: the run's start (``_start``)."""
     errors: dict = {}
-    for key in ("run", "step"):
-        _positive_int(payload, key, errors)
-    if not isinstance(payload.get("round"), int) or isinstance(payload.get("round"), bool):
-        errors["payload.round"] = ["an integer"]
+    _positive_int(payload, "run", errors)
+    if "step" in payload or "round" in payload:
+        _positive_int(payload, "step", errors)
+        if not isinstance(payload.get("round"), int) or isinstance(payload.get("round"), bool):
+            errors["payload.round"] = ["an integer"]
     if errors:
         raise ValidationFailed("invalid payload", errors=errors)
     return payload
+
+
+def _step_key(payload: dict, project_id: int) -> str:
+    """A ``run_step`` job's dedupe key: its step and round, or its run for a start."""
+    return f"{payload['step']}:{payload['round']}" if "step" in payload else f"start:{payload['run']}"
 
 
 def run_dispatch(run_id: int, *, not_before=None) -> None:
@@ -73,20 +82,36 @@ def run_dispatch(run_id: int, *, not_before=None) -> None:
     run = Run.objects.filter(pk=run_id).first()
     if run is not None:
         with run_atomic():
-            run_dispatch_locked(run, not_before=not_before)
+            _tick_enqueue(run, not_before=not_before)
 
 
-def run_dispatch_locked(run: Run, *, not_before=None) -> None:
-    """In the caller's transaction (the one that moved the run, under its lock, or ``run_dispatch``'s
-    own): queue the run's ``run_tick`` job, after the transaction's run events (the move's come
-    first in the stream). No savepoint: a queue cap that is reached (``QueueFull``) fails the
-    caller's transaction, so a start, a resume or a retry is all done or not at all."""
+def run_dispatch_locked(run: Run) -> None:
+    """The run's worker job, queued in the transaction that moved the run (start, resume, retry),
+    under its lock, after the transaction's run events (the move's come first in the stream). A
+    started run that is not gated gets a ``run_step`` job that starts it (``_start``): its tick, then
+    its first step, with no job in between; any other a ``run_tick``. No savepoint: a queue cap that
+    is reached (``QueueFull``) fails the caller's transaction, so the move is all done or not at all."""
+    if run.status != Run.Status.PENDING or run.gated:
+        _tick_enqueue(run)
+        return
     run_events_flush()
-    # The job needs the project's id and its organization's, which the run carries: the project's
-    # row is not read for them.
-    project = Project(pk=run.project_id, organization_id=run.organization_id)
-    jobs_enqueue_many(job_type=RUN_TICK.type, project=project, payloads=[{"run": run.pk}], run_id=run.pk,
+    # Under the run's lock, which every writer of the start's key (its run's) holds: none holds it.
+    jobs_enqueue_many(job_type=RUN_STEP.type, project=_project_of(run), payloads=[{"run": run.pk}], run_id=run.pk,
+                      priority=run.priority, dedupe_checked=True)
+
+
+def _tick_enqueue(run: Run, *, not_before=None) -> None:
+    """In the caller's transaction: the run's ``run_tick`` job (lane ``run:<id>``, one at a time), now
+    or at ``not_before``, after the transaction's run events."""
+    run_events_flush()
+    jobs_enqueue_many(job_type=RUN_TICK.type, project=_project_of(run), payloads=[{"run": run.pk}], run_id=run.pk,
                       priority=run.priority, not_before=not_before, savepoint=False)
+
+
+def _project_of(run: Run) -> Project:
+    """The run's project as a job needs it, its id and its organization's, which the run carries:
+    the project's row is not read for them."""
+    return Project(pk=run.project_id, organization_id=run.organization_id)
 
 
 def _tick(ctx, payload: dict) -> dict:
@@ -119,11 +144,13 @@ def _schedule(run: Run) -> list[int]:
     return [step.pk for step in steps]
 
 
-@traced("run step", attributes=lambda ctx, payload: {"run_id": payload["run"], "step_id": payload["step"],
+@traced("run step", attributes=lambda ctx, payload: {"run_id": payload["run"], "step_id": payload.get("step"),
                                                      "job_id": ctx.job_id, "project_id": ctx.project_id},
         result_attributes=lambda result: {"attempt": result.get("attempt"), "decision": result.get("decision"),
-                                          "error_code": result.get("error")})
+                                          "error_code": result.get("error"), "step_id": result.get("first_step")})
 def _step(ctx, payload: dict) -> dict:
+    if "step" not in payload:
+        return _start(ctx, payload["run"])
     run_id, step_id = payload["run"], payload["step"]
     recorded: dict = {}
     try:
@@ -139,8 +166,31 @@ def _step(ctx, payload: dict) -> dict:
         if stopped is not None:
             return {"step": step_id, "attempt": attempt.number, "decision": stopped.decision,
                     "stopped": "drift found on recovery"}
-    chain = _Chain(ctx, run_id)
     step = recorded.get("step") or Step.objects.select_related("run__project").get(pk=attempt.step_id)
+    return _attempts_run(ctx, _Chain(ctx, run_id), step, attempt, recorded, begun)
+
+
+def _start(ctx, run_id: int) -> dict:
+    """A started run's first job: what its tick does (pending → running, its agents spawned, its
+    runnable steps scheduled) and, in the same transaction, its first runnable step begun as this
+    job's own (the job is pointed at that step, so a recovered job resumes it); then on as any step
+    job. A run that moved on meanwhile (cancelled, retried: its retry queued a tick) is left alone."""
+    chain = _Chain(ctx, run_id)
+    try:
+        with services.run_tree_handed_over(None) as begun:
+            run = services.run_mark_running(run_id=run_id, then=chain.ticked)
+    except (InvalidTransition, NotFound) as exc:
+        return {"run": run_id, "skipped": getattr(exc, "detail", str(exc))}
+    if chain.next_attempt is None:
+        return {"run": run_id, "status": run.status}
+    step, attempt, recorded = chain.take()
+    return {**_attempts_run(ctx, chain, step, attempt, recorded, begun), "first_step": step.pk}
+
+
+def _attempts_run(ctx, chain: _Chain, step: Step, attempt: StepAttempt, recorded: dict, begun: dict) -> dict:
+    """Execute ``attempt`` (of ``step``, begun by the transaction ``begun`` describes), then the run's
+    next steps the chain begins, one after the other; the last one's result."""
+    run_id = step.run_id
     left = begun  # what the transaction that began this attempt saw
     while True:
         # The run's tree as the transaction that began this attempt left it (committed) goes on to
@@ -191,19 +241,32 @@ class _Chain:
         timeout = tool.timeout_s if tool is not None and tool.timeout_s else 0
         return elapsed + timeout + 5 < self.ctx.definition.effective_timeout_s
 
+    def ticked(self, run: Run) -> None:
+        """In the transaction that moved the run to running (or found it running), under its lock:
+        what a tick schedules (``_schedule``), but the run's first runnable step is this job's."""
+        run_events_flush()  # the run's own events before the jobs'
+        now = timezone.now()
+        services.heartbeat_record(run, now)
+        self._go_on(run, now)
+
     def settled(self, run: Run, outcome: services.StepOutcome) -> None:
         self.scheduled = True
         if outcome.decision != "completed":  # a failure may have moved the run through another copy of it
             run.refresh_from_db(fields=["status"])
         if run.status != Run.Status.RUNNING:
             return  # paused, cancelled, settled or retrying: resume and retry dispatch their own tick
-        now = timezone.now()  # one instant for what may start and what waits: none falls between the two
+        self._go_on(run, timezone.now())
+
+    def _go_on(self, run: Run, now) -> None:
+        """Under the run's lock: begin the first runnable step ``_may_go_on`` allows as this job's
+        next one, queue jobs for the others, or a tick for when the first backoff ends. ``now``: one
+        instant for what may start and what waits: none falls between the two."""
         steps = services.runnable_steps(run, now=now)
-        # Every run_step job of the run is enqueued or pointed at its step under the run's lock, so
+        # Every run_step job of a run is enqueued or pointed at its step under the run's lock, so
         # which steps have a job on the way cannot change meanwhile: the retarget skips a step whose
         # key a job holds, and the other steps are looked up together.
         mine = None
-        for step in steps:
+        for step in steps if not run.gated else ():  # a gated run's steps each go through their own job
             if (step.kind == Step.Kind.TOOL and self._may_go_on(step)
                     and job_retarget(job_id=self.ctx.job_id, attempt=self.ctx.attempt, job_type=RUN_STEP.type,
                                      project_id=run.project_id, savepoint=False,
@@ -264,7 +327,7 @@ def _wake_after_backoff(run: Run, now) -> None:
     wake_at = current.filter(status=NodeStatus.PENDING, not_before__gt=now).aggregate(
         at=Min("not_before"))["at"]
     if wake_at is not None:
-        run_dispatch_locked(run, not_before=wake_at)
+        _tick_enqueue(run, not_before=wake_at)
 
 
 def _interrupted_attempt(step_id: int, round_: int) -> StepAttempt | None:
@@ -347,6 +410,6 @@ RUN_STEP = register(JobDefinition(
     type="run_step", run=_step, validate=_validate_step, priority_class="interactive",
     lane="none", claim_alone=True,  # a job goes on with its run's next steps (a chain): never behind others
     spread_runs=True,  # two workers take two runs rather than two branches of one, which wait on its lock
-    dedupe=Dedupe("drop_duplicate", key=lambda payload, project_id: f"{payload['step']}:{payload['round']}"),
+    dedupe=Dedupe("drop_duplicate", key=_step_key),
     retry=RetryPolicy(max_attempts=3, base_delay_ms=200), timeout_s=STEP_JOB_TIMEOUT_S,
 ))

@@ -112,12 +112,12 @@ def db_vendor():
 
 
 def run_ticked(run_id: int):
-    """What a worker's ``run_tick`` does to a started run, done by hand: pending → running, and the
-    tick job queued with the start gone (finished, its row retired), so that no job of the run
+    """What a started run's worker job does first, done by hand: pending → running, and the job
+    queued with the start (or the retry) gone (finished, its row retired), so that no job of the run
     waits in the queue but those the test queues."""
     from jobs.models import Job
     from runs import services
 
     run = services.run_mark_running(run_id=run_id)
-    Job.objects.filter(run_id=run_id, type="run_tick", state="queued").delete()
+    Job.objects.filter(run_id=run_id, type__in=["run_tick", "run_step"], state="queued").delete()
     return run

@@ -89,7 +89,7 @@ def test_jobs_of_the_run_engine_cannot_be_cancelled_here(tenant, django_capture_
     run = create_run(tenant)
     with django_capture_on_commit_callbacks(execute=True):
         tenant.client.post(f"/api/v1/runs/{run['id']}/start/", format="json")
-    tick = Job.objects.get(type="run_tick")
+    tick = Job.objects.get(run_id=run["id"])  # the run_step job that starts the run
     assert_error(tenant.client.post(f"/api/v1/jobs/{tick.pk}/cancel/", format="json"), 403, "permission_denied")
     assert tenant.client.get(f"/api/v1/jobs/{tick.pk}/").json()["runId"] == run["id"]
 
@@ -225,5 +225,5 @@ def test_engine_job_results_show_the_run(tenant, django_capture_on_commit_callba
     with django_capture_on_commit_callbacks(execute=True):
         tenant.client.post(f"/api/v1/runs/{run['id']}/start/", format="json")
     services.run_cancel(run_id=run["id"])
-    rows = tenant.client.get("/api/v1/jobs/?type=run_tick").json()["results"]
+    rows = tenant.client.get("/api/v1/jobs/?type=run_step").json()["results"]  # the job that starts it
     assert [row["runId"] for row in rows] == [run["id"]]

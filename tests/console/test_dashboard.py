@@ -132,12 +132,12 @@ def test_snapshot_figures_match_the_data(scene, settings):
 
     lanes = by_key(snapshot["queue"]["by_lane"])
     prefix = f"project:{scene['project'].pk}:user:"  # a lane a payload names lives in its project
-    pending = scene["runs"]["pending"].pk  # its tick, queued with its start, waits for a worker
+    # The pending run's job (a run_step job, in no lane), queued with its start, waits for a worker.
     assert {key: (row["waiting"], row["delayed"], row["executing"]) for key, row in lanes.items()} == {
-        f"{prefix}L1": (1, 0, 1), f"{prefix}L2": (1, 0, 0), f"{prefix}L3": (1, 1, 0), f"run:{pending}": (1, 0, 0)}
+        f"{prefix}L1": (1, 0, 1), f"{prefix}L2": (1, 0, 0), f"{prefix}L3": (1, 1, 0), "": (1, 0, 0)}
     types = by_key(snapshot["queue"]["by_type"])
     assert {key: (row["waiting"], row["delayed"], row["executing"]) for key, row in types.items()} == {
-        "dash_alpha": (1, 0, 1), "dash_beta": (2, 1, 0), "run_tick": (1, 0, 0)}
+        "dash_alpha": (1, 0, 1), "dash_beta": (2, 1, 0), "run_step": (1, 0, 0)}
     assert (metrics["jobs-waiting"], metrics["jobs-delayed"], metrics["jobs-executing"]) == (4, 1, 1)
     assert metrics["jobs-concurrency"] == 3
     executing = snapshot["queue"]["executing_jobs"]

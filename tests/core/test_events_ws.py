@@ -175,7 +175,7 @@ def test_overlapping_subscriptions_never_send_an_event_twice(member):
         events = await receive_events(communicator, 4)
         assert [e["type"] for e in events] == ["run_created", "ledger_reserve", "run_pending",
                                                "orchestrator_job_queued"]
-        assert events[-1]["jobType"] == "run_tick" and events[-1]["projectId"] == project.pk
+        assert events[-1]["jobType"] == "run_step" and events[-1]["projectId"] == project.pk  # its start
         await expect_nothing(communicator)
         await communicator.disconnect()
 

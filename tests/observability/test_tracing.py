@@ -74,30 +74,24 @@ def test_request_enqueue_job_and_step_spans_form_one_trace(spans, tenant, caplog
     assert {hex_trace(span) for span in finished if span.parent is not None or span.kind != trace.SpanKind.CLIENT} \
         == {trace_id}
 
-    tick_enqueue = next(span for span in finished if span.name == "jobs enqueue many"  # in the start's transaction
-                        and span.attributes["orchestrator.job_type"] == "run_tick")
-    assert parent_of(tick_enqueue, finished) is request
-    assert (tick_enqueue.attributes["orchestrator.run_id"], tick_enqueue.attributes["orchestrator.jobs"]) == (run_id, 1)
-    tick_job = Job.objects.get(run_id=run_id, type="run_tick")
-    enqueue_id = trace.format_span_id(tick_enqueue.context.span_id)
-    assert tick_job.traceparent == f"00-{trace_id}-{enqueue_id}-{int(tick_enqueue.context.trace_flags):02x}"
-
-    tick_run = next(span for span in finished if span.name == "job run_tick")
-    assert parent_of(tick_run, finished) is tick_enqueue and tick_run.kind == trace.SpanKind.CONSUMER
-    assert attributes(tick_run) == {
-        "orchestrator.job_id": tick_job.pk, "orchestrator.job_type": "run_tick", "orchestrator.run_id": run_id,
-        "orchestrator.attempt": 1, "orchestrator.organization_id": tenant.organization.pk,
-        "orchestrator.project_id": tenant.project.pk, "orchestrator.outcome": "completed"}
+    # The run's start queues, in its own transaction, the job that starts the run and runs its step.
+    start_enqueue = next(span for span in finished if span.name == "jobs enqueue many"
+                         and span.attributes["orchestrator.job_type"] == "run_step")
+    assert parent_of(start_enqueue, finished) is request
+    assert (start_enqueue.attributes["orchestrator.run_id"], start_enqueue.attributes["orchestrator.jobs"]) \
+        == (run_id, 1)
+    start_job = Job.objects.get(run_id=run_id)
+    enqueue_id = trace.format_span_id(start_enqueue.context.span_id)
+    assert start_job.traceparent == f"00-{trace_id}-{enqueue_id}-{int(start_enqueue.context.trace_flags):02x}"
 
     step = Step.objects.get(run_id=run_id)
-    step_enqueue = next(span for span in finished if span.name == "jobs enqueue many"  # a run's step jobs together
-                        and span.attributes["orchestrator.job_type"] == "run_step")
-    assert parent_of(step_enqueue, finished) is tick_run
-    assert step_enqueue.attributes["orchestrator.run_id"] == run_id and step_enqueue.attributes["orchestrator.jobs"] == 1
     step_job = next(span for span in finished if span.name == "job run_step")
-    assert parent_of(step_job, finished) is step_enqueue
-    assert step_job.attributes["orchestrator.step_id"] == step.pk
-    assert step_job.attributes["orchestrator.organization_id"] == tenant.organization.pk
+    assert parent_of(step_job, finished) is start_enqueue and step_job.kind == trace.SpanKind.CONSUMER
+    assert attributes(step_job) == {
+        "orchestrator.job_id": start_job.pk, "orchestrator.job_type": "run_step", "orchestrator.run_id": run_id,
+        "orchestrator.attempt": 1, "orchestrator.organization_id": tenant.organization.pk,
+        "orchestrator.project_id": tenant.project.pk, "orchestrator.outcome": "completed"}
+    assert not [span for span in finished if span.name == "job run_tick"]  # no job between the start and the step
     if connection.vendor == "postgresql":  # psycopg is instrumented: the step's queries are its children
         assert any(span.kind == trace.SpanKind.CLIENT and parent_of(span, finished) is step_job for span in finished)
     step_span = next(span for span in finished if span.name == "run step")

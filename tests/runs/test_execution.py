@@ -42,8 +42,8 @@ def finish(run, timeout=20.0):
 
 
 def test_a_backoff_ending_while_a_tick_looks_is_still_waited_for(project, monkeypatch):
-    """The tick finds no step to start; the step's backoff ends before it looks for what waits. It
-    must still tick the run again when that backoff ends (else the step waits for ever)."""
+    """The run's job finds no step to start; the step's backoff ends before it looks for what waits.
+    It must still tick the run again when that backoff ends (else the step waits for ever)."""
     from datetime import timedelta
 
     from django.utils import timezone
@@ -52,7 +52,7 @@ def test_a_backoff_ending_while_a_tick_looks_is_still_waited_for(project, monkey
     from runs import execution
 
     run = start(project, make_plan(steps=1))
-    services.run_mark_running(run_id=run.pk)  # its nodes written; the tick run_start queued still waits
+    services.run_mark_running(run_id=run.pk)  # its nodes written; the job run_start queued still waits
     ends = timezone.now() + timedelta(seconds=30)
     Step.objects.filter(run=run).update(not_before=ends)  # a retry's backoff, as a failed try leaves it
     clock = {"now": ends - timedelta(milliseconds=1)}
@@ -65,8 +65,7 @@ def test_a_backoff_ending_while_a_tick_looks_is_still_waited_for(project, monkey
         return steps
 
     monkeypatch.setattr(execution.services, "runnable_steps", runnable_then_later)
-    drain_jobs(until=lambda: Job.objects.filter(run_id=run.pk, type="run_tick", state="completed").exists(),
-               timeout=10)
+    drain_jobs(until=lambda: Job.objects.filter(run_id=run.pk, state="completed").exists(), timeout=10)
     woken = Job.objects.filter(run_id=run.pk, type="run_tick", state="queued").values_list("not_before", flat=True)
     assert list(woken) == [ends]
 

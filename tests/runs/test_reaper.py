@@ -26,9 +26,9 @@ def started(project, **options):
 
 
 def ticks_gone(run):
-    """The run's ``run_tick`` jobs (queued with its start) gone, as once a worker that ran them
+    """The run's job queued with its start gone, as once a worker that ran it
     finished and their rows were retired: nothing of the run waits in the queue any more."""
-    Job.objects.filter(run_id=run.pk, type="run_tick").delete()
+    Job.objects.filter(run_id=run.pk).delete()
 
 
 def test_a_pending_run_past_its_timeout_fails_and_refunds(project):
@@ -77,7 +77,7 @@ def test_a_silent_running_run_fails_with_heartbeat_timeout_unless_its_work_waits
 
 def test_an_active_run_without_any_job_is_dispatched_again(project, django_capture_on_commit_callbacks):
     run = started(project)
-    assert Job.objects.filter(run_id=run.pk, type="run_tick").count() == 1  # queued with the start
+    assert Job.objects.filter(run_id=run.pk).count() == 1  # queued with the start
     assert runs_reap(now=timezone.now() + timedelta(seconds=30))["redispatched"] == 0
     ticks_gone(run)  # lost: a worker that took it died, and its row is gone
     assert runs_reap(now=timezone.now() + timedelta(seconds=30))["redispatched"] == 1

@@ -26,8 +26,9 @@ class Boom(Exception):
 
 
 def dispatched(run: Run) -> list[str]:
-    """The states of the run's ``run_tick`` jobs (a worker's: queued in the transaction that moved it)."""
-    return list(Job.objects.filter(run_id=run.pk, type="run_tick").order_by("pk").values_list("state", flat=True))
+    """The states of the run's jobs (a worker's, queued in the transaction that moved it: a start's
+    ``run_step`` job, a resume's or a retry's ``run_tick``)."""
+    return list(Job.objects.filter(run_id=run.pk).order_by("pk").values_list("state", flat=True))
 
 
 @pytest.fixture

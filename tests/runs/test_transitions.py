@@ -548,14 +548,34 @@ def test_a_retried_run_runs_a_fresh_hierarchy_and_keeps_the_old_one(run_in_state
     assert invariants_check() == []
 
 
-def test_start_queues_its_tick_in_its_own_transaction(run_in_state, django_capture_on_commit_callbacks):
+def test_a_start_the_queue_has_no_room_for_leaves_the_run_created(run_in_state, settings):
+    from jobs.errors import QueueFull
+    from jobs.models import Job
+
+    run = run_in_state("created")
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 0  # no job may wait in the project
+    balance = account_balance(organization_id=run.organization_id)
+    with pytest.raises(QueueFull):
+        services.run_start(run_id=run.pk)
+    run.refresh_from_db()
+    assert (run.status, run.credits_reserved) == (Run.Status.CREATED, 0)
+    assert not Job.objects.filter(run_id=run.pk).exists() and not RunAttempt.objects.filter(run=run).exists()
+    assert account_balance(organization_id=run.organization_id) == balance
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 10  # room again: the same start goes through
+    assert services.run_start(run_id=run.pk).status == Run.Status.PENDING
+    assert Job.objects.filter(run_id=run.pk).count() == 1
+    assert invariants_check() == []
+
+
+def test_start_queues_the_job_that_starts_the_run_in_its_own_transaction(run_in_state, django_capture_on_commit_callbacks):
     from jobs.models import Job
 
     run = run_in_state("created")
     with django_capture_on_commit_callbacks(execute=False) as callbacks:
         services.run_start(run_id=run.pk)
         tick = Job.objects.get(run_id=run.pk)  # written with the start: committed with it or not at all
-    assert (tick.type, tick.state, tick.payload, tick.priority) == ("run_tick", "queued", {"run": run.pk}, run.priority)
+    # a run_step job with its run alone: it starts the run, then runs its first step (``_start``)
+    assert (tick.type, tick.state, tick.payload, tick.priority) == ("run_step", "queued", {"run": run.pk}, run.priority)
     assert (tick.project_id, tick.organization_id) == (run.project_id, run.organization_id)
     assert callbacks  # the workers' wake-up (and the transition's log line) wait for the commit
     # A repeated start (already pending) queues nothing more.
