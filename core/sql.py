@@ -9,6 +9,7 @@ import json
 import re
 import threading
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connection, connections, models
@@ -163,8 +164,28 @@ def _hot_cursor_class() -> type:
     rather than ``None`` (psycopg records the query only when it sends it unprepared)."""
     if not _HOT_CURSOR:
         from django.db.backends.postgresql.base import ServerBindingCursor
+        from psycopg._queries import PostgresQuery, _query2pg_nocache
+
+        # psycopg converts a statement's text (``%s`` to ``$n``) once per distinct text, but not one
+        # longer than 4,096 characters or with more than 50 parameters, which it converts on every
+        # call: those limits guard its cache against the endless texts an ORM builds. The hot
+        # statements are few, written once per process, and the longest of them (a settlement's
+        # ``WITH``, a run's tree) are the most called: their conversions are kept, 256 at most.
+        converted = lru_cache(maxsize=256)(_query2pg_nocache)
+
+        class HotQuery(PostgresQuery):
+            __slots__ = ()
+
+            def convert(self, query, vars):
+                if vars is None or not isinstance(query, (str, bytes)):
+                    return super().convert(query, vars)
+                self.query, self._want_formats, self._order, self._parts = converted(
+                    self._ensure_bytes(query), self._tx.encoding)
+                self.dump(vars)
 
         class HotCursor(ServerBindingCursor):
+            _query_cls = HotQuery
+
             def _send_query_prepared(self, name, pgq, *, binary=None):
                 self._query = pgq
                 super()._send_query_prepared(name, pgq, binary=binary)

@@ -71,3 +71,17 @@ def test_timestamps_read_back_as_djangos_loader_reads_them():
             cursor.execute("SELECT %s::timestamptz", [refused])
             with pytest.raises(DataError):
                 cursor.fetchone()
+
+
+@pytest.mark.django_db
+def test_a_long_hot_statement_with_many_parameters_reads_its_values_on_every_call():
+    """The hot cursor keeps the conversion of statements psycopg converts on every call (longer than
+    4,096 characters, more than 50 parameters): each call still sends its own values."""
+    from core.sql import hot_cursor
+
+    sql = "SELECT " + ", ".join(f"%s + 0 AS c{index}" for index in range(60)) + " -- " + "x" * 4200
+    for shift in (0, 1, 2):
+        values = [index * 7 + shift for index in range(60)]
+        with hot_cursor() as cursor:
+            cursor.execute(sql, values)
+            assert list(cursor.fetchone()) == values
