@@ -85,3 +85,18 @@ def test_a_long_hot_statement_with_many_parameters_reads_its_values_on_every_cal
         with hot_cursor() as cursor:
             cursor.execute(sql, values)
             assert list(cursor.fetchone()) == values
+
+
+@pytest.mark.django_db
+def test_hot_cursors_opened_inside_one_another_each_read_their_own_rows():
+    """The connection's hot cursor is lent again once closed; one asked for while it is lent (a
+    statement inside another's block) is another cursor, and neither reads the other's rows."""
+    from core.sql import hot_cursor
+
+    for round_ in range(2):
+        with hot_cursor() as outer:
+            outer.execute("SELECT %s + 0", [10 + round_])
+            with hot_cursor() as inner:
+                inner.execute("SELECT %s + 0", [20 + round_])
+                assert inner.fetchone()[0] == 20 + round_
+            assert outer.fetchone()[0] == 10 + round_
