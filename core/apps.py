@@ -18,6 +18,6 @@ class CoreConfig(AppConfig):
 
         tracing_start()  # once per process; nothing when the OTEL_* variables leave traces off
 
-        from core.sql import timestamps_parsed_fast
+        from core.pgtypes import timestamps_parsed_fast
 
         timestamps_parsed_fast()
