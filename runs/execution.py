@@ -93,25 +93,25 @@ def run_dispatch_locked(run: Run) -> None:
     is reached (``QueueFull``) fails the caller's transaction, so the move is all done or not at all."""
     if run.status != Run.Status.PENDING or run.gated:
         _tick_enqueue(run)
-        return
-    run_events_flush()
-    # Under the run's lock, which every writer of the start's key (its run's) holds: none holds it.
-    jobs_enqueue_many(job_type=RUN_STEP.type, project=_project_of(run), payloads=[{"run": run.pk}], run_id=run.pk,
-                      priority=run.priority, dedupe_checked=True)
+    else:  # under the run's lock, which every writer of the start's key (its run's) holds: none holds it
+        _run_job_enqueue(run, RUN_STEP.type, dedupe_checked=True)
 
 
 def _tick_enqueue(run: Run, *, not_before=None) -> None:
     """In the caller's transaction: the run's ``run_tick`` job (lane ``run:<id>``, one at a time), now
-    or at ``not_before``, after the transaction's run events."""
-    run_events_flush()
-    jobs_enqueue_many(job_type=RUN_TICK.type, project=_project_of(run), payloads=[{"run": run.pk}], run_id=run.pk,
-                      priority=run.priority, not_before=not_before, savepoint=False)
+    or at ``not_before``."""
+    _run_job_enqueue(run, RUN_TICK.type, not_before=not_before, savepoint=False)
 
 
-def _project_of(run: Run) -> Project:
-    """The run's project as a job needs it, its id and its organization's, which the run carries:
+def _run_job_enqueue(run: Run, job_type: str, **options) -> None:
+    """A job of ``job_type`` with the run alone in its payload, at the run's priority, queued in the
+    caller's transaction after its run events (the move's come first in the stream). Its project is
+    built from the run, which carries the ids a job needs (the project's and its organization's):
     the project's row is not read for them."""
-    return Project(pk=run.project_id, organization_id=run.organization_id)
+    run_events_flush()
+    project = Project(pk=run.project_id, organization_id=run.organization_id)
+    jobs_enqueue_many(job_type=job_type, project=project, payloads=[{"run": run.pk}], run_id=run.pk,
+                      priority=run.priority, **options)
 
 
 def _tick(ctx, payload: dict) -> dict:
