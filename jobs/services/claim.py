@@ -121,10 +121,10 @@ def _claim(limit: int, params: dict) -> list[Job]:
         before = JobState.QUEUED if job.attempts == 1 else JobState.AWAITING_TOOL
         transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                        attempt=job.attempts, **{"from": before, "to": JobState.EXECUTING}, reason="",
-                       **_trace_fields(job))
+                       **_trace_fields(job.traceparent))
         definition = definition_get(job.type)
         if definition is not None:
-            _after_commit_hook(definition, "on_started", job)
+            _after_commit_hook(definition, "on_started", job.pk)
     return claimed
 
 
@@ -153,12 +153,12 @@ def _claim_in_transaction(limit: int, params: dict) -> list[Job]:
 
 
 def _seqscan_restore(joined: bool) -> None:
-    """In a caller's transaction, which goes on after the claim: sequential scans as its session had
-    them (``LOCK_SQL`` turned them off for the pick and the claim statement; a transaction of the
-    claim's own ends with its commit, and the setting with it)."""
+    """In a caller's transaction, which goes on after the claim: sequential scans and the plan
+    cache's mode as its session had them (``LOCK_SQL`` changed them for the pick and the claim
+    statement; a transaction of the claim's own ends with its commit, and the settings with it)."""
     if joined:
         with hot_cursor() as cursor:
-            cursor.execute(RESTORE_SQL, [_SESSION_PLANNER[connection.connection][1]])
+            cursor.execute(RESTORE_SQL, list(_SESSION_PLANNER[connection.connection][1:]))
 
 
 def _claim_in_one_round_trip(limit: int, params: dict) -> list[Job] | None:
@@ -195,9 +195,9 @@ def _claim_in_one_round_trip(limit: int, params: dict) -> list[Job] | None:
         claim.close()
 
 
-# The planner settings ``LOCK_SQL`` turns off and the pick gives back, as each connection's session
+# The planner settings ``LOCK_SQL`` changes and the pick or ``RESTORE_SQL`` give back, as each connection's session
 # has them (read by the connection's first claim; nothing of ours sets them for a session).
-_SESSION_PLANNER: "weakref.WeakKeyDictionary[object, tuple[str, str]]" = weakref.WeakKeyDictionary()
+_SESSION_PLANNER: "weakref.WeakKeyDictionary[object, tuple[str, str, str]]" = weakref.WeakKeyDictionary()
 
 
 def _lock_and_pick(cursor, limit: int, params: dict) -> list[int]:
@@ -210,8 +210,8 @@ def _lock_and_pick(cursor, limit: int, params: dict) -> list[int]:
     known = _SESSION_PLANNER.get(raw)
     if known is None:
         cursor.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
-        _, sort, seqscan, _, _ = cursor.fetchone()
-        _SESSION_PLANNER[raw] = (sort, seqscan)
+        _, sort, seqscan, plans = cursor.fetchone()[:4]
+        _SESSION_PLANNER[raw] = (sort, seqscan, plans)
         cursor.execute(fresh_sql(limit), {**params, "sort": sort})
         return cursor.fetchone()[1] or []
     sort = known[0]
