@@ -39,7 +39,7 @@ def job_cancel(*, job_id: int, reason: str = "", actor=None) -> Job:
             job.cancel_requested_at = job.cancel_requested_at or timezone.now()
             _move(job, JobState.CANCELLED, reason=JobReason.CANCELLED, extra={"cancelReason": job.cancel_reason})
             if definition is not None:
-                _after_commit_hook(definition, "on_cancelled", job)
+                _after_commit_hook(definition, "on_cancelled", job.pk)
         if actor is not None:
             audit_record(actor=actor, action="job_cancel", target_type="job", target_id=job.pk,
                          organization_id=job.organization_id, run_id=job.run_id, reason=reason,
@@ -56,7 +56,7 @@ def job_mark_cancelled(*, job_id: int, attempt: int, reason: str = JobReason.CAN
         _move(job, JobState.CANCELLED, reason=reason, extra={"cancelReason": job.cancel_reason})
         definition = definition_get(job.type)
         if definition is not None:
-            _after_commit_hook(definition, "on_cancelled", job)
+            _after_commit_hook(definition, "on_cancelled", job.pk)
         return True
 
 

@@ -97,11 +97,12 @@ def job_transition(*, job_id: int, target: str, reason: str = "") -> Job:
         return job
 
 
-def _after_commit_hook(definition: JobDefinition, hook_name: str, job: Job) -> None:
+def _after_commit_hook(definition: JobDefinition, hook_name: str, job_id: int) -> None:
+    """Call the definition's hook with the job as it is once the transaction committed (at once
+    outside one)."""
     hook = getattr(definition, hook_name)
     if hook is None:
         return
-    job_id = job.pk
 
     def call():
         fresh = Job.objects.filter(pk=job_id).first()
@@ -130,10 +131,10 @@ def _jobs_from_rows(rows) -> list[Job]:
     return [JOB_ROWS.load(row) for row in rows]
 
 
-def _trace_fields(job: Job) -> dict[str, str]:
+def _trace_fields(traceparent: str) -> dict[str, str]:
     """A batched transition's log line written outside the job's span: the trace id of the span
     the job continues (its ``traceparent``'s), so the line joins the job's trace."""
-    parts = job.traceparent.split("-") if job.traceparent else []
+    parts = traceparent.split("-") if traceparent else []
     return {"trace_id": parts[1]} if len(parts) == 4 else {}
 
 

@@ -136,7 +136,7 @@ def job_enqueue(*, job_type: str, project: Project, payload: Any, source_session
             _caps_check(project, new=1)
         if not_before is None or not_before <= job.queued_at:
             wake.notify_enqueued()
-        _after_commit_hook(definition, "on_queued", job)
+        _after_commit_hook(definition, "on_queued", job.pk)
         transaction.on_commit(_wake)
         return EnqueueResult(job, "enqueued")
 
@@ -244,7 +244,7 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
         if not_before is None or not_before <= jobs[0].queued_at:
             wake.notify_enqueued()
         for job in jobs:
-            _after_commit_hook(definition, "on_queued", job)
+            _after_commit_hook(definition, "on_queued", job.pk)
         wanted = min(len(jobs), wake.worker_count())
         transaction.on_commit(lambda: wake.wake_workers(wanted))
         return [EnqueueResult(job, "enqueued") for job in jobs]

@@ -16,6 +16,7 @@ from core.sql import hot_cursor, per_vendor
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
+from jobs.services.claim_sql import job_events_insert
 from jobs.services.common import (_after_commit_hook, _current, _job_columns, _jobs_from_rows, _move,
                                   _trace_fields, _wake, job_as_dict)
 
@@ -43,7 +44,7 @@ def job_complete(*, job_id: int, attempt: int, result: Any = None, reason: str =
         _move(job, JobState.COMPLETED, reason=reason)
         definition = definition_get(job.type)
         if definition is not None:
-            _after_commit_hook(definition, "on_completed", job)
+            _after_commit_hook(definition, "on_completed", job.pk)
         return True
 
 
@@ -73,12 +74,28 @@ def _complete_sql() -> str:
     return _COMPLETE_SQL[connection.vendor]
 
 
+@per_vendor
+def _complete_alone_sql() -> str:
+    """PostgreSQL's ``jobs_complete`` as a transaction of one statement: the jobs' update, their
+    events (built by the statement, in the order of the results given) and, returned, what each
+    one's transition log line names."""
+    job = connection.ops.quote_name(Job._meta.db_table)
+    update = _complete_sql().replace(
+        " AS v(id, attempt, result)", " WITH ORDINALITY AS v(id, attempt, result, n)").replace(
+        f" RETURNING {_job_columns()}", f" RETURNING {_job_columns()}, v.n")
+    assert update != _complete_sql() and job in update
+    return (f"WITH done AS ({update}), events AS ({job_events_insert(JobState.COMPLETED, source='done', order='c.n')})"
+            " SELECT id, project_id, run_id, type, attempts, traceparent FROM done ORDER BY n")
+
+
 def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
     """Several attempts' executing → completed with their results, ``(job_id, attempt, result)``
     each, in one statement; returns the ids completed. An attempt that is no longer current
     (cancelled, recovered, finished meanwhile) is discarded, as ``job_complete`` discards it.
     Events are written in one statement, one transition log line and ``on_completed`` hook
-    (after commit) per job."""
+    (after commit) per job. On PostgreSQL outside a transaction (a worker's batch) the update and
+    the events are one statement, a transaction of its own: one round trip (``BEGIN``, the update,
+    the events and ``COMMIT`` were four), and only the columns the log lines name come back."""
     if not results:
         return set()
     now = connection.ops.adapt_datetimefield_value(timezone.now())
@@ -86,6 +103,8 @@ def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
     if connection.vendor == "postgresql":
         params = {"ids": [job_id for job_id, _, _ in results], "attempts": [attempt for _, attempt, _ in results],
                   "results": texts, "now": now}
+        if not connection.in_atomic_block:
+            return _jobs_complete_alone(params)
     else:
         params = {"rows": json.dumps([[job_id, attempt, text] for (job_id, attempt, _), text in zip(results, texts)]),
                   "now": now}
@@ -100,11 +119,25 @@ def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
         for job in completed:
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type,
                            attempt=job.attempts, **{"from": JobState.EXECUTING, "to": JobState.COMPLETED},
-                           reason=JobReason.COMPLETED, **_trace_fields(job))
+                           reason=JobReason.COMPLETED, **_trace_fields(job.traceparent))
             definition = definition_get(job.type)
             if definition is not None:
-                _after_commit_hook(definition, "on_completed", job)
+                _after_commit_hook(definition, "on_completed", job.pk)
     return {job.pk for job in completed}
+
+
+def _jobs_complete_alone(params: dict) -> set[int]:
+    with hot_cursor() as cursor:
+        cursor.execute(_complete_alone_sql(), {**params, "touched": params["now"]})
+        rows = cursor.fetchall()
+    for job_id, project_id, run_id, job_type, attempts, traceparent in rows:
+        transition_log(entity="job", id=job_id, project=project_id, run=run_id, type=job_type, attempt=attempts,
+                       **{"from": JobState.EXECUTING, "to": JobState.COMPLETED}, reason=JobReason.COMPLETED,
+                       **_trace_fields(traceparent))
+        definition = definition_get(job_type)
+        if definition is not None:
+            _after_commit_hook(definition, "on_completed", job_id)  # committed: called now
+    return {row[0] for row in rows}
 
 
 def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, reason: str = "") -> str:
@@ -130,7 +163,7 @@ def job_fail_attempt(*, job_id: int, attempt: int, error: str, retryable: bool, 
         if final:
             _move(job, JobState.FAILED, reason=final)
             if definition is not None:
-                _after_commit_hook(definition, "on_failed", job)
+                _after_commit_hook(definition, "on_failed", job.pk)
             return "failed"
         delay = definition.retry.delay_ms(job.attempts) if definition else 1000
         job.not_before = timezone.now() + timedelta(milliseconds=delay)
@@ -155,7 +188,7 @@ def job_fail(*, job_id: int, reason: str, error: str, actor=None, audit_reason: 
                          before={"state": before}, after={"state": job.state, "reason": reason})
         definition = definition_get(job.type)
         if definition is not None:
-            _after_commit_hook(definition, "on_failed", job)
+            _after_commit_hook(definition, "on_failed", job.pk)
         return job
 
 

@@ -59,7 +59,7 @@ def jobs_recover_expired(*, now=None) -> int:
                 _move(job, JobState.FAILED, reason=JobReason.RECOVERY_EXHAUSTED)
                 definition = definition_get(job.type)
                 if definition is not None:
-                    _after_commit_hook(definition, "on_failed", job)
+                    _after_commit_hook(definition, "on_failed", job.pk)
             else:
                 job.not_before = timezone.now()  # eligible again at once
                 _move(job, JobState.AWAITING_TOOL, reason=JobReason.LEASE_EXPIRED)

@@ -350,6 +350,42 @@ def test_each_claimed_job_has_its_executing_event_as_the_api_shows_the_job(proje
                for event in events)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_workers_batch_completes_in_one_statement_with_each_jobs_completed_event(project, types, settings,
+                                                                                   caplog):
+    """Outside a transaction (a worker's batch) the completion is one statement on PostgreSQL, which
+    writes the completed events itself: in the order the results were given, each carrying exactly
+    the job's API form; a stale attempt is discarded with no event; each job gets its log line."""
+    import logging
+
+    from jobs.services import job_as_dict
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
+    plain = enqueue(project, n=0)
+    threaded = job_enqueue(job_type="bg", project=project, payload={"n": 1}, source_session_id="s-1",
+                           thread_id="t-1").job
+    stale = enqueue(project, n=2)
+    claimed = {job.pk: job for job in jobs_claim(worker="w1", limit=4)}
+    assert set(claimed) == {plain.pk, threaded.pk, stale.pk}
+    with CaptureQueriesContext(connection) as queries, caplog.at_level(logging.INFO, "orchestrator.transitions"):
+        done = jobs_complete(results=[(threaded.pk, 1, {"answer": [1, 2.5, "x"]}), (stale.pk, 2, {"stale": True}),
+                                      (plain.pk, 1, None)])
+    assert done == {threaded.pk, plain.pk}
+    if connection.vendor == "postgresql":
+        assert len(queries.captured_queries) == 1  # no BEGIN, no second statement, no COMMIT
+    events = list(Event.objects.filter(type=JOB_COMPLETED).order_by("id"))
+    assert [event.payload for event in events] == [job_as_dict(Job.objects.get(pk=pk))
+                                                   for pk in (threaded.pk, plain.pk)]
+    assert events[0].payload["result"] == {"answer": [1, 2.5, "x"]} and events[1].payload["result"] is None
+    assert events[0].payload["sourceSessionId"] == "s-1" and "threadId" not in events[1].payload
+    assert all(event.project_id == project.pk and event.organization_id == project.organization_id
+               for event in events)
+    logged = [record.fields["job_id"] for record in caplog.records
+              if getattr(record, "fields", {}).get("to") == JobState.COMPLETED]
+    assert logged == [threaded.pk, plain.pk]
+    assert Job.objects.get(pk=stale.pk).state == JobState.EXECUTING
+
+
 def test_a_claim_counts_each_lanes_interactive_streak_and_a_background_job_resets_it(project, types, settings):
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
     interactive = enqueue(project, "fg", lane="a", n=1)
