@@ -40,16 +40,22 @@ from jobs.services.common import _job_columns
 
 # The key of the transaction-scoped advisory lock every claim takes on PostgreSQL.
 CLAIM_LOCK_KEY = zlib.crc32(b"orchestrator.jobs.claim")
-# Rows read (and locked) from each claim order per statement: twice the batch, at least this
-# many, enough for a batch when a few lanes are busy; a claim finding fewer takes fewer.
+# Rows read (and locked) from each claim order per statement: the batch and a quarter more, at
+# least this many, enough for a batch when a few lanes are busy; a claim finding fewer takes fewer.
+# (Twice the batch locked 64 rows for a batch of 32, each lock a write of its row and a WAL record,
+# under the claim lock, and gave the other 32 back at the commit.)
 CANDIDATES = 16
+
+
+def _candidates(limit: int) -> int:
+    return max(CANDIDATES, limit + limit // 4)
 
 _SQL: dict[tuple[str, int], str] = {}
 
 
 def claim_sql(limit: int) -> str:
     """The claim statement for this connection's vendor (``limit`` only widens the candidates)."""
-    candidates = max(CANDIDATES, 2 * limit)
+    candidates = _candidates(limit)
     alone, spread = claim_alone_types(), spread_runs_types()
     key = (connection.vendor, candidates, alone, spread)
     if key not in _SQL:
@@ -91,7 +97,7 @@ def fresh_sql(limit: int) -> str:
     claim index, so a claim cost in proportion to the depth of the queue (15 ms at 20,000 waiting
     jobs, the claim lock held all along). Planned with sorts off, the pick's only plan is the claim
     index in order, stopping at the limit, whatever the statistics say."""
-    candidates = max(CANDIDATES, 2 * limit)
+    candidates = _candidates(limit)
     key = ("fresh", connection.vendor, candidates)
     if key not in _SQL:
         qn = connection.ops.quote_name
