@@ -9,7 +9,6 @@ and failure budgets; fatal → failed); ``InsufficientCredits`` → failed with
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import threading
@@ -68,34 +67,59 @@ class JobContext:
             raise JobCancelled(f"job {self.job_id} was cancelled")
 
 
-@contextlib.contextmanager
-def time_limit(seconds: float | None):
-    """Raise ``JobTimeout`` in this (main) thread after ``seconds``.
+class _AlarmDispatch:
+    """SIGALRM's handler while a message's jobs run: the time limit of the job in hand raises
+    ``JobTimeout``; between jobs the handler it was installed over (django-q2's message timeout) is
+    called, or its default action taken. Installed once per message, so a job arms and disarms
+    the timer only (``time_limit``): swapping the handlers per job cost four system calls."""
 
-    django-q2 arms its own SIGALRM for the whole message; it is saved and re-armed after.
-    """
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous_handler = signal.getsignal(signal.SIGALRM)
-    previous_remaining = signal.alarm(0)
-    started = time.monotonic()
-    limit = float(seconds)
-    if previous_remaining:
-        limit = min(limit, max(previous_remaining - 1.0, 0.5))
+    def __init__(self, outer) -> None:
+        self.outer = outer
+        self.limit: float | None = None  # the job in hand's timeout (s), None between jobs
 
-    def on_alarm(signum, frame):
-        raise JobTimeout(f"job exceeded its timeout of {seconds:g} s")
+    def __call__(self, signum, frame) -> None:
+        if self.limit is not None:
+            limit, self.limit = self.limit, None
+            raise JobTimeout(f"job exceeded its timeout of {limit:g} s")
+        if callable(self.outer):
+            self.outer(signum, frame)
+        elif self.outer != signal.SIG_IGN:  # the default action: the process ends
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
-    signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, limit)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous_handler)
-        if previous_remaining:
-            signal.alarm(max(1, int(previous_remaining - (time.monotonic() - started))))
+
+class time_limit:  # noqa: N801 - used as a function: ``with time_limit(seconds):``
+    """Raise ``JobTimeout`` in this (main) thread after ``seconds`` (none: no limit).
+
+    django-q2 arms its own alarm for the whole message: the job's limit is kept a second short of
+    what is left of it, and it is armed again with the rest after. (A class, not a generator: it
+    wraps every job.)"""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = float(seconds) if seconds else None
+
+    def __enter__(self) -> None:
+        if self.seconds is None or threading.current_thread() is not threading.main_thread():
+            self.dispatch = None
+            return
+        dispatch = signal.getsignal(signal.SIGALRM)
+        if not isinstance(dispatch, _AlarmDispatch):
+            dispatch = _AlarmDispatch(dispatch)
+            signal.signal(signal.SIGALRM, dispatch)
+        self.dispatch, self.outer_remaining = dispatch, signal.getitimer(signal.ITIMER_REAL)[0]
+        self.started = time.monotonic()
+        limit = self.seconds
+        if self.outer_remaining:
+            limit = min(limit, max(self.outer_remaining - 1.0, 0.5))
+        dispatch.limit = self.seconds
+        signal.setitimer(signal.ITIMER_REAL, limit)
+
+    def __exit__(self, *exc) -> None:
+        if self.dispatch is None:
+            return
+        self.dispatch.limit = None
+        outer = self.outer_remaining
+        signal.setitimer(signal.ITIMER_REAL, max(1.0, outer - (time.monotonic() - self.started)) if outer else 0)
 
 
 @dataclass(frozen=True)

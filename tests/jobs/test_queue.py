@@ -288,6 +288,34 @@ def test_timeout_is_enforced_and_reported(project, define_job):
     assert (job.state, job.reason) == (JobState.FAILED, JobReason.TIMEOUT)
 
 
+def test_a_jobs_time_limit_leaves_the_message_timeout_armed_and_its_handler_called():
+    """django-q2 arms an alarm for the whole message: each job's limit is armed over it, and after
+    the job the message's alarm is armed again with what is left of it, its handler in place."""
+    import signal
+    import time
+
+    from jobs.executor import time_limit
+    from jobs.registry import JobTimeout
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.4)  # the message's timeout
+        with pytest.raises(JobTimeout):
+            with time_limit(0.05):
+                time.sleep(1)
+        for _ in range(3):
+            with time_limit(5):
+                pass
+        remaining = signal.getitimer(signal.ITIMER_REAL)[0]
+        assert 1.0 <= remaining <= 1.4 and fired == []
+        time.sleep(remaining + 0.2)
+        assert fired == [signal.SIGALRM]  # the message's handler, once
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def test_cancel_queued_job_at_once(project):
     job = enqueue(project)
     cancelled = job_cancel(job_id=job.pk, reason="not needed")
