@@ -9,6 +9,7 @@ and failure budgets; fatal → failed); ``InsufficientCredits`` → failed with
 
 from __future__ import annotations
 
+import _signal
 import logging
 import signal
 import threading
@@ -102,7 +103,9 @@ class time_limit:  # noqa: N801 - used as a function: ``with time_limit(seconds)
         if self.seconds is None or threading.current_thread() is not threading.main_thread():
             self.dispatch = None
             return
-        dispatch = signal.getsignal(signal.SIGALRM)
+        # (the C function: ``signal.getsignal`` converts a handler to its enum first, by way of a
+        # ValueError for any handler that is not SIG_DFL or SIG_IGN: 1.7 us a job)
+        dispatch = _signal.getsignal(signal.SIGALRM)
         if not isinstance(dispatch, _AlarmDispatch):
             dispatch = _AlarmDispatch(dispatch)
             signal.signal(signal.SIGALRM, dispatch)
