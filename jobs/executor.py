@@ -120,9 +120,12 @@ class time_limit:  # noqa: N801 - used as a function: ``with time_limit(seconds)
     def __exit__(self, *exc) -> None:
         if self.dispatch is None:
             return
-        self.dispatch.limit = None
+        # The job's timer is replaced before its limit is dropped: an alarm between the two would
+        # otherwise reach the outer handler (SIG_DFL: the process's end). One that fires before
+        # the replacement still raises JobTimeout, as the job's own.
         outer = self.outer_remaining
         signal.setitimer(signal.ITIMER_REAL, max(1.0, outer - (time.monotonic() - self.started)) if outer else 0)
+        self.dispatch.limit = None
 
 
 @dataclass(frozen=True)
