@@ -136,11 +136,11 @@ def _claim_in_transaction(limit: int, params: dict) -> list[Job]:
         with transaction.atomic():
             if connection.vendor == "postgresql":  # the lock, then the pick (``fresh_sql``)
                 if not _lock_and_pick(cursor, limit, params):
-                    _seqscan_restore(joined)
+                    _planner_restore(joined)
                     return []  # no eligible job (an aged one would have been picked too): no claim statement
             cursor.execute(claim_sql(limit), params)
             if connection.vendor == "postgresql":
-                _seqscan_restore(joined)
+                _planner_restore(joined)
             if not events_inline():
                 claimed = _jobs_from_rows(cursor.fetchall())
                 if claimed:
@@ -152,7 +152,7 @@ def _claim_in_transaction(limit: int, params: dict) -> list[Job]:
     return claimed
 
 
-def _seqscan_restore(joined: bool) -> None:
+def _planner_restore(joined: bool) -> None:
     """In a caller's transaction, which goes on after the claim: sequential scans and the plan
     cache's mode as its session had them (``LOCK_SQL`` changed them for the pick and the claim
     statement; a transaction of the claim's own ends with its commit, and the settings with it)."""
@@ -195,8 +195,9 @@ def _claim_in_one_round_trip(limit: int, params: dict) -> list[Job] | None:
         claim.close()
 
 
-# The planner settings ``LOCK_SQL`` changes and the pick or ``RESTORE_SQL`` give back, as each connection's session
-# has them (read by the connection's first claim; nothing of ours sets them for a session).
+# The planner settings ``LOCK_SQL`` changes and the pick or ``RESTORE_SQL`` give back, as each
+# connection's session has them (read by the connection's first claim; nothing of ours sets them
+# for a session).
 _SESSION_PLANNER: "weakref.WeakKeyDictionary[object, tuple[str, str, str]]" = weakref.WeakKeyDictionary()
 
 

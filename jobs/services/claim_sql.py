@@ -50,6 +50,7 @@ CANDIDATES = 16
 def _candidates(limit: int) -> int:
     return max(CANDIDATES, limit + limit // 4)
 
+
 _SQL: dict[tuple[str, int], str] = {}
 
 

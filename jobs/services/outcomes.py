@@ -48,30 +48,29 @@ def job_complete(*, job_id: int, attempt: int, result: Any = None, reason: str =
         return True
 
 
-_COMPLETE_SQL: dict[str, str] = {}
-
-
+@per_vendor
 def _complete_sql() -> str:
     """``jobs_complete``'s statement, one text for any number of jobs (built once per process)."""
-    if connection.vendor not in _COMPLETE_SQL:
-        qn = connection.ops.quote_name
-        job = qn(Job._meta.db_table)
-        columns = _job_columns()
-        if connection.vendor == "postgresql":
-            source = ("unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(results)s::text[])"
-                      " AS v(id, attempt, result)")
-            id_, attempt, result = "v.id", "v.attempt", "v.result::jsonb"
-        else:  # one JSON array of [id, attempt, result as JSON text or null]
-            source = "json_each(%(rows)s) AS v"
-            id_, attempt, result = "json_extract(v.value, '$[0]')", "json_extract(v.value, '$[1]')", \
-                "json_extract(v.value, '$[2]')"
-        _COMPLETE_SQL[connection.vendor] = (
-            f"UPDATE {job} SET state = '{JobState.COMPLETED}', reason = '{JobReason.COMPLETED}', result = {result},"
+    return _complete_update(f"RETURNING {_job_columns()}")
+
+
+def _complete_update(returning: str) -> str:
+    """The completion's ``UPDATE`` of the jobs given (on PostgreSQL ``v.n`` is each one's place in
+    the arguments), with ``returning``."""
+    job = connection.ops.quote_name(Job._meta.db_table)
+    if connection.vendor == "postgresql":
+        source = ("unnest(%(ids)s::bigint[], %(attempts)s::integer[], %(results)s::text[])"
+                  " WITH ORDINALITY AS v(id, attempt, result, n)")
+        id_, attempt, result = "v.id", "v.attempt", "v.result::jsonb"
+    else:  # one JSON array of [id, attempt, result as JSON text or null]
+        source = "json_each(%(rows)s) AS v"
+        id_, attempt, result = "json_extract(v.value, '$[0]')", "json_extract(v.value, '$[1]')", \
+            "json_extract(v.value, '$[2]')"
+    return (f"UPDATE {job} SET state = '{JobState.COMPLETED}', reason = '{JobReason.COMPLETED}', result = {result},"
             " error = '', completed_at = %(now)s, active_dedupe_key = NULL, slot = NULL, organization_slot = NULL,"
             f" lease_expires_at = NULL, updated_at = %(now)s FROM {source}"
             f" WHERE {job}.id = {id_} AND {job}.state = '{JobState.EXECUTING}' AND {job}.attempts = {attempt}"
-            f" RETURNING {columns}")
-    return _COMPLETE_SQL[connection.vendor]
+            f" {returning}")
 
 
 @per_vendor
@@ -79,11 +78,7 @@ def _complete_alone_sql() -> str:
     """PostgreSQL's ``jobs_complete`` as a transaction of one statement: the jobs' update, their
     events (built by the statement, in the order of the results given) and, returned, what each
     one's transition log line names."""
-    job = connection.ops.quote_name(Job._meta.db_table)
-    update = _complete_sql().replace(
-        " AS v(id, attempt, result)", " WITH ORDINALITY AS v(id, attempt, result, n)").replace(
-        f" RETURNING {_job_columns()}", f" RETURNING {_job_columns()}, v.n")
-    assert update != _complete_sql() and job in update
+    update = _complete_update(f"RETURNING {_job_columns()}, v.n")
     return (f"WITH done AS ({update}), events AS ({job_events_insert(JobState.COMPLETED, source='done', order='c.n')})"
             " SELECT id, project_id, run_id, type, attempts, traceparent FROM done ORDER BY n")
 
