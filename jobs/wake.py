@@ -6,7 +6,8 @@ worker drains many jobs per message. A wake asked for inside the window is not d
 message is sent when the window ends (a job enqueued just after a worker's drain found the
 queue empty waits at most the window, not the maintenance pump's interval). The pump still
 re-issues messages whenever eligible jobs wait with no message in the broker (lost messages,
-retries whose backoff has passed).
+retries whose backoff has passed). A burst (an enqueue of many jobs, the pump) asks for as many
+messages as the deployment has live workers, in every cluster (``worker_count``).
 
 On PostgreSQL a worker whose drain found the queue empty can linger (off by default) for
 ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS`` listening on ``CHANNEL`` (``linger``), and an enqueue
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from datetime import timedelta
 
 from django.conf import settings
 
@@ -171,5 +173,24 @@ def linger(listening: bool, until: float) -> bool:
     return False
 
 
+# How long a process trusts its count of the deployment's live workers (``worker_count``).
+WORKERS_SEEN_TTL_S = 5.0
+_workers_seen: dict[str, float] = {"count": 0, "at": float("-inf")}
+
+
 def worker_count() -> int:
-    return int(settings.Q_CLUSTER.get("workers") or 1)
+    """How many wake messages a burst of work can use at once: the live worker processes of the
+    whole deployment (every cluster, every machine: the heartbeat rows younger than a job lease), at
+    least this cluster's own ``workers``. With several clusters on one broker, this cluster's own
+    count woke only as many workers as one cluster has, and a drain hands on one message: the other
+    clusters' workers stayed idle through a backlog. One ``COUNT`` of the heartbeat rows at most
+    every ``WORKERS_SEEN_TTL_S`` per process."""
+    from django.utils import timezone
+
+    from jobs.models import WorkerHeartbeat
+
+    mono = time.monotonic()
+    if mono - _workers_seen["at"] >= WORKERS_SEEN_TTL_S:
+        alive_since = timezone.now() - timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)
+        _workers_seen.update(count=WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count(), at=mono)
+    return max(int(settings.Q_CLUSTER.get("workers") or 1), int(_workers_seen["count"]))

@@ -245,8 +245,8 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
             wake.notify_enqueued()
         for job in jobs:
             _after_commit_hook(definition, "on_queued", job.pk)
-        wanted = min(len(jobs), wake.worker_count())
-        transaction.on_commit(lambda: wake.wake_workers(wanted))
+        queued = len(jobs)
+        transaction.on_commit(lambda: wake.wake_workers(min(queued, wake.worker_count())))
         return [EnqueueResult(job, "enqueued") for job in jobs]
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from jobs import registry
+from jobs import registry, wake
 
 
 @pytest.fixture
@@ -20,5 +20,7 @@ def define_job():
 
 @pytest.fixture(autouse=True)
 def no_wake_messages(monkeypatch):
-    """In-process tests claim jobs themselves; no django-q2 message is needed."""
+    """In-process tests claim jobs themselves; no django-q2 message is needed. Each test counts the
+    deployment's live workers afresh (``jobs.wake.worker_count`` keeps its count a few seconds)."""
     monkeypatch.setattr("jobs.wake._send", lambda count: None)
+    monkeypatch.setitem(wake._workers_seen, "at", float("-inf"))

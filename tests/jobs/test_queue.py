@@ -21,6 +21,7 @@ from jobs.services import (
     job_enqueue,
     jobs_enforce_deadlines,
     jobs_enforce_interrupt_timeouts,
+    jobs_enqueue_many,
     jobs_recover_expired,
 )
 from jobs.wake import _send as REAL_SEND  # the real sender, kept before any fixture replaces it
@@ -456,6 +457,70 @@ def test_wakes_within_the_window_share_one_message_sent_when_the_window_ends(set
     settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0  # no window: every wake is a message
     assert wake_workers() == 1 and wake_workers() == 1
     assert sent == [1, 1, 1, 1]
+
+
+def _heartbeats(now, **clusters):
+    """Heartbeat rows: ``cluster=[seconds since each of its workers was seen, ...]``."""
+    from jobs.models import WorkerHeartbeat
+
+    WorkerHeartbeat.objects.bulk_create(
+        WorkerHeartbeat(worker=f"{cluster}:{index}", cluster=cluster, started_at=now - timedelta(minutes=5),
+                        last_seen=now - timedelta(seconds=age))
+        for cluster, ages in clusters.items() for index, age in enumerate(ages))
+
+
+def test_a_burst_wakes_every_live_worker_of_the_deployment_not_only_one_clusters(
+        project, settings, monkeypatch, django_capture_on_commit_callbacks):
+    """Two clusters on one broker: a burst is worth a message to each of their live workers (a
+    worker not seen for a lease is not counted); the count is read again after its time to live."""
+    from jobs import wake
+
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
+    settings.ORCHESTRATOR_QUEUE_LEASE_S = 15
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    monkeypatch.setattr("jobs.wake.waiting_messages", lambda: 0)
+    now = timezone.now()
+    _heartbeats(now, a=[1, 2, 3], b=[0, 4], c=[60])  # c's only worker died a minute ago
+    with django_capture_on_commit_callbacks(execute=True):
+        jobs_enqueue_many(job_type="noop", project=project, payloads=[{"value": n} for n in range(10)])
+    assert sent == [5]
+    assert wake.worker_count() == 5
+    _heartbeats(now, d=[0, 0, 0])
+    assert wake.worker_count() == 5  # trusted for its time to live
+    monkeypatch.setitem(wake._workers_seen, "at", time.monotonic() - wake.WORKERS_SEEN_TTL_S)
+    assert wake.worker_count() == 8
+    with django_capture_on_commit_callbacks(execute=True):
+        jobs_enqueue_many(job_type="noop", project=project, payloads=[{"value": n} for n in range(3)])
+    assert sent == [5, 3]  # never more messages than jobs
+
+
+def test_a_cluster_alone_or_not_yet_seen_wakes_its_own_workers(project, settings, monkeypatch):
+    from jobs import wake
+
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 3}
+    assert wake.worker_count() == 3  # no heartbeat row yet
+    _heartbeats(timezone.now(), a=[0, 0])
+    monkeypatch.setitem(wake._workers_seen, "at", float("-inf"))
+    assert wake.worker_count() == 3
+
+
+def test_the_pump_wakes_every_live_worker_for_waiting_jobs_less_the_messages_waiting(project, settings,
+                                                                                      monkeypatch):
+    from jobs import worker
+
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    waiting = {"count": 1}
+    monkeypatch.setattr("jobs.wake.waiting_messages", lambda: waiting["count"])
+    _heartbeats(timezone.now(), a=[0, 0], b=[0, 0])
+    for n in range(10):
+        enqueue(project, value=n)
+    assert worker.maintain()["woken"] == 3 and sent[-1] == 3  # four workers, one message already waits
+    waiting["count"] = 4
+    assert worker.maintain()["woken"] == 0
 
 
 @pytest.mark.parametrize("savepoint", [True, False])
