@@ -11,8 +11,10 @@ that counts the execution per job id): in our queue as the ``bench_counted`` job
 definition, registered by the benchmarks' own settings ``bench/settings.py``), in bare django-q2
 (``async_task(..., save=False)``, nothing written to the database) and in Celery 5.7 (prefork
 workers of ``-c 2``, the same Redis server, the next database number). N jobs are enqueued
-first (our wake messages held back), the processes start, and once every worker is up they are
-woken: the rate is N / (first execution → N-th execution), so process start-up does not count.
+first (our wake messages held back and the project's queue paused: a worker's maintenance wakes the
+workers for waiting jobs, which started the first cluster while the second was still starting), the
+processes start, and once every worker is up the queue is resumed and they are woken: the rate is
+N / (first execution → N-th execution), so process start-up does not count.
 
 Printed next to each rate: how busy the machine's CPUs were (``/proc/stat``, every process on the
 machine); the ratios ours / bare django-q2, ours / Celery and 2 clusters / 1 cluster;
@@ -222,9 +224,14 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
                  profile: Path | None = None) -> Result:
     from jobs import wake
     from jobs.models import Job
+    from jobs.services import queue_pause, queue_resume
 
     _empty_jobs()
     _flush_redis()
+    # The project's queue is paused until every cluster is up: a worker's maintenance wakes the
+    # workers for waiting jobs, so the first cluster would otherwise start on them while the second
+    # one is still starting (and compete with its start-up for the CPU).
+    queue_pause(project_id=project.pk, actor=None, reason="benchmark: until every cluster is up")
     ids = _enqueue(n, project, n)
     window = Window(database_url, REDIS_URL)
     processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
@@ -233,6 +240,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
         try:
             window.open()
             before = cpu_times()
+            queue_resume(project_id=project.pk, actor=None, reason="benchmark: every cluster is up")
             wake.wake_workers(2 * clusters, force=True)
             counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
             after = cpu_times()
