@@ -4,13 +4,14 @@ and model rows read by statements written once."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import threading
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, Iterator
 
 from django.db import DEFAULT_DB_ALIAS, IntegrityError, OperationalError, connection, connections, models
 from django.db.models import Model, QuerySet
@@ -130,6 +131,22 @@ def hot_cursor():
         return conn._prepare_cursor(_hot_cursor_class()(raw))
     kept.lent = True
     return conn._prepare_cursor(kept)
+
+
+@contextlib.contextmanager
+def prepared_at_once(raw) -> Iterator[None]:
+    """On a psycopg connection ``raw``: the statements sent in the block are prepared on their
+    first execution, not after ``prepare_threshold`` ones (unless the connection prepares nothing:
+    ``prepare_threshold`` None). For a process's hottest statements, each of which the server
+    otherwise parses and plans anew on its first executions (the claim's under the claim lock,
+    a few milliseconds each on a new worker's connection)."""
+    threshold = raw.prepare_threshold
+    if threshold is not None:
+        raw.prepare_threshold = 0
+    try:
+        yield
+    finally:
+        raw.prepare_threshold = threshold
 
 
 # Where a row's object stands against the database, for callers that keep objects from one

@@ -14,7 +14,7 @@ from django.db.models import Case, Count, Exists, F, OuterRef, Q, Subquery, Valu
 from django.utils import timezone
 
 from core.services import events_record, transition_log
-from core.sql import hot_cursor
+from core.sql import hot_cursor, prepared_at_once
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobLane, JobState, PriorityClass, QueuePause, index_states
 from jobs.registry import definition_get, spread_runs_types
@@ -179,7 +179,7 @@ def _claim_in_one_round_trip(limit: int, params: dict) -> list[Job] | None:
     steps, claim = hot_cursor(), hot_cursor()
     try:
         try:  # (an error surfaces at the pipeline's end: Django's error classes all the same)
-            with connection.wrap_database_errors, raw.pipeline():
+            with connection.wrap_database_errors, prepared_at_once(raw), raw.pipeline():
                 steps.execute("BEGIN")
                 steps.execute(LOCK_SQL, [CLAIM_LOCK_KEY])
                 steps.execute(fresh_sql(limit), {**params, "sort": sort})

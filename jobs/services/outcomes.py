@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from core.fsm import moves_may_wait
 from core.services import audit_record, events_record, row_lock, transition_log
-from core.sql import hot_cursor, per_vendor
+from core.sql import hot_cursor, per_vendor, prepared_at_once
 from jobs.events import JOB_STATE_EVENTS
 from jobs.models import Job, JobReason, JobState
 from jobs.registry import definition_get
@@ -122,7 +122,7 @@ def jobs_complete(*, results: list[tuple[int, int, Any]]) -> set[int]:
 
 
 def _jobs_complete_alone(params: dict) -> set[int]:
-    with hot_cursor() as cursor:
+    with hot_cursor() as cursor, prepared_at_once(connection.connection):
         cursor.execute(_complete_alone_sql(), {**params, "touched": params["now"]})
         rows = cursor.fetchall()
     for job_id, project_id, run_id, job_type, attempts, traceparent in rows:

@@ -386,6 +386,35 @@ def test_a_workers_batch_completes_in_one_statement_with_each_jobs_completed_eve
     assert Job.objects.get(pk=stale.pk).state == JobState.EXECUTING
 
 
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_workers_claim_and_completion_are_prepared_by_their_first_round_trip(project, types, settings):
+    """A new connection's claim in one round trip prepares its statements at once, and the claim
+    statement and the pick run on one generic plan from then on; a batch's completion is prepared
+    at once too. (The driver prepares a statement after a few executions: until then the server
+    planned each anew, the claim's under the claim lock.) The connection's threshold is kept."""
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 8
+    connection.close()
+    for n in range(6):
+        enqueue(project, n=n)
+    assert len(jobs_claim(worker="w1", limit=2)) == 2  # a connection's first claim: in Django's transaction
+    threshold = connection.connection.prepare_threshold
+    for _ in range(2):
+        claimed = jobs_claim(worker="w1", limit=2)  # one round trip each
+        jobs_complete(results=[(job.pk, job.attempts, None) for job in claimed])
+    assert connection.connection.prepare_threshold == threshold == settings.DATABASES["default"]["OPTIONS"].get(
+        "prepare_threshold", 5)
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+        prepared = cursor.fetchall()
+    claim = [plans for statement, *plans in prepared if "WITH RECURSIVE" in statement]
+    pick = [plans for statement, *plans in prepared if "array_agg(f.id)" in statement]
+    complete = [plans for statement, *plans in prepared if statement.startswith("WITH done AS (UPDATE")]
+    assert claim == [[2, 0]] and pick == [[2, 0]], prepared  # one statement each, both times on its generic plan
+    assert len(complete) == 1, prepared
+    assert set(Job.objects.values_list("state", flat=True)) == {JobState.EXECUTING, JobState.COMPLETED}
+
+
 def test_a_claim_counts_each_lanes_interactive_streak_and_a_background_job_resets_it(project, types, settings):
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
     interactive = enqueue(project, "fg", lane="a", n=1)
