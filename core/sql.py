@@ -135,14 +135,9 @@ def hot_cursor():
 
 @contextlib.contextmanager
 def prepared_at_once(raw) -> Iterator[None]:
-    """On a psycopg connection ``raw``: the statements sent in the block are prepared on their
-    first execution, not after ``prepare_threshold`` ones (unless the connection prepares nothing:
-    ``prepare_threshold`` None). For a process's hottest statements, each of which the server
-    otherwise parses and plans anew on its first executions (the claim's under the claim lock,
-    a few milliseconds each on a new worker's connection)."""
-    threshold = raw.prepare_threshold
-    if threshold is not None:
-        raw.prepare_threshold = 0
+    """Statements sent on psycopg connection ``raw`` in the block are prepared on their first run, not
+    after ``prepare_threshold`` runs (each planned anew until then; unless ``raw`` prepares nothing)."""
+    threshold, raw.prepare_threshold = raw.prepare_threshold, 0 if raw.prepare_threshold is not None else None
     try:
         yield
     finally:
