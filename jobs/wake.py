@@ -184,7 +184,9 @@ def worker_count() -> int:
     least this cluster's own ``workers``. With several clusters on one broker, this cluster's own
     count woke only as many workers as one cluster has, and a drain hands on one message: the other
     clusters' workers stayed idle through a backlog. One ``COUNT`` of the heartbeat rows at most
-    every ``WORKERS_SEEN_TTL_S`` per process."""
+    every ``WORKERS_SEEN_TTL_S`` per process; the last count when the database cannot say (a wake
+    is called after an enqueue's commit: it never fails the enqueue)."""
+    from django.db import DatabaseError
     from django.utils import timezone
 
     from jobs.models import WorkerHeartbeat
@@ -192,5 +194,9 @@ def worker_count() -> int:
     mono = time.monotonic()
     if mono - _workers_seen["at"] >= WORKERS_SEEN_TTL_S:
         alive_since = timezone.now() - timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)
-        _workers_seen.update(count=WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count(), at=mono)
+        try:
+            _workers_seen["count"] = WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count()
+        except DatabaseError:
+            logger.warning("could not count the live workers: waking as many as last counted", exc_info=True)
+        _workers_seen["at"] = mono
     return max(int(settings.Q_CLUSTER.get("workers") or 1), int(_workers_seen["count"]))

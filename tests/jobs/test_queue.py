@@ -504,6 +504,32 @@ def test_a_cluster_alone_or_not_yet_seen_wakes_its_own_workers(project, settings
     _heartbeats(timezone.now(), a=[0, 0])
     monkeypatch.setitem(wake._workers_seen, "at", float("-inf"))
     assert wake.worker_count() == 3
+    _heartbeats(timezone.now(), b=[0, 0])
+    monkeypatch.setitem(wake._workers_seen, "at", float("-inf"))
+    assert wake.worker_count() == 4
+
+
+def test_a_wake_after_an_enqueue_goes_on_with_the_last_count_when_the_database_cannot_say(
+        project, settings, monkeypatch, django_capture_on_commit_callbacks):
+    from django.db import DatabaseError
+
+    from jobs import wake
+    from jobs.models import WorkerHeartbeat
+
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
+    monkeypatch.setitem(wake._workers_seen, "count", 6)
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    monkeypatch.setattr("jobs.wake.waiting_messages", lambda: 0)
+
+    def broken(*args, **kwargs):
+        raise DatabaseError("connection lost")
+
+    monkeypatch.setattr(WorkerHeartbeat.objects, "filter", broken)
+    with django_capture_on_commit_callbacks(execute=True):
+        results = jobs_enqueue_many(job_type="noop", project=project, payloads=[{"value": n} for n in range(10)])
+    assert len(results) == 10 and sent == [6]
 
 
 def test_the_pump_wakes_every_live_worker_for_waiting_jobs_less_the_messages_waiting(project, settings,
