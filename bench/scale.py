@@ -310,6 +310,7 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None) ->
     a job's wait counts from its ``queued_at``, set before the call commits."""
     from django.db import connection
     from jobs.services import jobs_enqueue_many
+    from jobs.services.enqueue import ENQUEUE_MANY_MAX
 
     ids: list[int] = []
     started = time.monotonic()
@@ -319,13 +320,14 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None) ->
         while next_at < end:
             time.sleep(max(0.0, next_at - time.monotonic()))
             due = int(rate * min(end, time.monotonic()) - rate * started) - len(ids)
-            if due > 0:
-                payloads = [{"value": 0, "total": 0, "redis": REDIS_URL}] * due
+            while due > 0:  # after a stall of the producer, what fell due in calls of at most ENQUEUE_MANY_MAX
+                payloads = [{"value": 0, "total": 0, "redis": REDIS_URL}] * min(due, ENQUEUE_MANY_MAX)
                 call = time.monotonic()
                 ids.extend(result.job.pk for result in jobs_enqueue_many(
                     job_type="bench_counted", project=project, payloads=payloads))
                 if calls is not None:
                     calls.append((call - started, (time.monotonic() - call) * 1000))
+                due -= len(payloads)
             next_at += TICK_S
     finally:
         connection.close()
