@@ -190,10 +190,11 @@ def worker_count() -> int:
     from django.utils import timezone
 
     from jobs.models import WorkerHeartbeat
+    from jobs.selectors import worker_alive_window_s  # (it imports the services, which import this module)
 
     mono = time.monotonic()
     if mono - _workers_seen["at"] >= WORKERS_SEEN_TTL_S:
-        alive_since = timezone.now() - timedelta(seconds=settings.ORCHESTRATOR_QUEUE_LEASE_S)
+        alive_since = timezone.now() - timedelta(seconds=worker_alive_window_s())
         try:
             _workers_seen["count"] = WorkerHeartbeat.objects.filter(last_seen__gte=alive_since).count()
         except DatabaseError:
