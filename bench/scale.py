@@ -27,7 +27,12 @@ latency (p50/p99 of ``started_at - queued_at`` of the job rows) of our queue und
 stream at 60 % of its measured rate (the jobs due every 10 ms enqueued together), with 1 and 2 clusters
 started for it: the stream's first second apart (the new workers' first claims), the rest as the
 steady state; the rate the stream reached and the producer's slowest enqueue call are printed next
-to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.tsv``.
+to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.tsv``. Beside each
+stream, on PostgreSQL, ``bench/commit_probe.py`` commits one row every 10 ms on a connection of its own
+and its latencies are printed under the stream's: the floor of a job that is committed queued, then
+claimed (a flush of the disk that stalls for 300 ms stalls every enqueue and claim of that moment).
+Before each pass this process's heap is frozen out of the garbage collector's view
+(``_collector_quiet``): its own full collections took 100-350 ms of the two cores at moments of their own.
 
 The benchmark FAILS (exit status 1, the reason on stderr) when any job is lost or executed more
 than once (the Redis count per job id; for our queue also a job not ``completed`` or with more
@@ -48,7 +53,10 @@ Celery; both flushed) and Celery and py-spy (``.venv/bin/pip install -e '.[bench
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -220,6 +228,16 @@ def _workers_running(processes: list, what: str, broker: str, ids=None) -> Itera
             stop_process(process)
 
 
+def _collector_quiet() -> None:
+    """Before a pass: this process's heap (Django, the jobs it enqueued, the earlier passes'
+    results) is collected once and frozen out of the garbage collector's view, as a worker's is at
+    its start. Unfrozen, a full collection of it took 100-350 ms of CPU here, at moments of its own
+    during a pass (while this process polls, or enqueues the latency stream's jobs, whose waits
+    had begun), on the two cores the measured processes share."""
+    gc.collect()
+    gc.freeze()
+
+
 def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_url: str | None,
                  profile: Path | None = None) -> Result:
     from jobs import wake
@@ -233,6 +251,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
     # one is still starting (and compete with its start-up for the CPU).
     queue_pause(project_id=project.pk, actor=None, reason="benchmark: until every cluster is up")
     ids = _enqueue(n, project, n)
+    _collector_quiet()
     window = Window(database_url, REDIS_URL)
     processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
     spy = start_profile(processes[0].pid, profile) if profile else None
@@ -266,6 +285,7 @@ def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str 
     for index in range(n):
         async_task("bench.counting.counted", index, n, REDIS_URL, save=False)
     connections.close_all()
+    _collector_quiet()
     window = Window(database_url, REDIS_URL)
     # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
     processes = _start_clusters(clusters, {**env, **BARE_DJANGO_Q}, out, f"bare-{clusters}")
@@ -285,6 +305,7 @@ def measure_celery(workers: int, n: int, out: Path) -> Result:
     redis.Redis.from_url(CELERY_BROKER_URL).flushdb()
     for index in range(n):
         counted_task.apply_async((index, n, CELERY_BROKER_URL))
+    _collector_quiet()
     before = cpu_times()
     processes = [start_process([sys.executable, "-m", "celery", "-A", "bench.scale:celery_app", "worker",
                                 "-P", "prefork", "-c", "2", "-n", f"bench{i}@%h", "-l", "WARNING",
@@ -347,6 +368,7 @@ class Latency:
     count: int
     problems: list
     slowest_enqueue: float  # ms, the producer's slowest enqueue call
+    commits: dict | None = None  # PostgreSQL: the bare commits beside the stream (``bench/commit_probe.py``)
 
 
 def measure_latency(clusters: int, rate: float, seconds: float, project, env: dict, out: Path) -> Latency:
@@ -359,8 +381,14 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     processes = _start_clusters(clusters, env, out, f"latency-{clusters}")
     ids: list[int] = []
     calls: list[tuple[float, float]] = []
+    _collector_quiet()
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
+        probe = None
+        if env.get("DATABASE_URL"):  # the floor: a bare commit's latency on the same server, meanwhile
+            probe = subprocess.Popen([sys.executable, "-m", "bench.commit_probe", env["DATABASE_URL"], str(seconds)],
+                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
         ids.extend(_produce(rate, seconds, project, calls))
+        commits = json.loads(probe.communicate(timeout=STALL_S)[0]) if probe is not None else None
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
@@ -377,7 +405,7 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
         (early if (queued - first).total_seconds() < FIRST_S else steady).append(wait)
     steady = steady or early
     return Latency(percentile(steady, 50), percentile(steady, 99), percentile(early, 99) if early else 0.0,
-                   len(ids), problems, max([duration for _, duration in calls] or [0.0]))
+                   len(ids), problems, max([duration for _, duration in calls] or [0.0]), commits)
 
 
 def _waits_dump(path: Path, rows: list) -> None:
@@ -531,6 +559,11 @@ def main() -> None:
               f"reached): p50 {measured.p50:.1f} ms, p99 {measured.p99:.1f} ms after its first {FIRST_S:.0f} s; "
               f"p99 {measured.first_p99:.1f} ms in it (the new workers' first claims); the producer's slowest "
               f"enqueue call {measured.slowest_enqueue:.0f} ms; each job's wait in bench/out/latency-{processes}.tsv")
+        if measured.commits:
+            c = measured.commits
+            print(f"    beside it, a bare PostgreSQL commit of one row every 10 ms (the floor of any job that is "
+                  f"committed queued, then claimed): p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms, max {c['max']:.0f} ms, "
+                  f"{c['over_20_ms']} of {c['count']} over 20 ms")
     if profiled:
         print(f"profiled pass (py-spy, 1 cluster, not in the table): {profiled.rate:.0f} jobs/s -> "
               f"bench/out/profile-scale-{db_label}.folded")
