@@ -382,6 +382,27 @@ def maintenance_due(now) -> dict[str, bool]:
     return {name: bool(value) for name, value in subqueries_row(probes, wrap="EXISTS ({})", limit=1).items()}
 
 
+def jobs_due_exist(now) -> bool:
+    """Whether any job waits whose ``not_before`` has passed: one prepared ``EXISTS`` over the claim
+    index (``job_claim_order_idx``), without the claim's lock or transaction. False: a claim now would
+    find nothing; True: it may find something (the job's lane may be busy, its queue paused, every
+    slot taken: the claim decides)."""
+    with hot_cursor() as cursor:
+        cursor.execute(_due_exist_sql(), [db().ops.adapt_datetimefield_value(now)])
+        return bool(cursor.fetchone()[0])
+
+
+@per_vendor
+def _due_exist_sql() -> str:
+    """``jobs_due_exist``' statement: the waiting states written out as the partial index names them."""
+    conn = db()
+    qn = conn.ops.quote_name
+    states = ", ".join(f"'{state}'" for state in index_states("job_claim_order_idx"))
+    state, not_before = (qn(Job._meta.get_field(name).column) for name in ("state", "not_before"))
+    return (f"SELECT EXISTS (SELECT 1 FROM {qn(Job._meta.db_table)} j WHERE j.{state} IN ({states})"
+            f" AND (j.{not_before} IS NULL OR j.{not_before} <= %s))")
+
+
 def jobs_active_dedupe_keys(keys: list[str]) -> set[str]:
     """Of ``keys`` (``<type>:<dedupe key>``), those an active job holds: one prepared statement (an
     array parameter on PostgreSQL), for callers that look up many keys on a hot path."""

@@ -13,6 +13,7 @@ from django.utils import timezone
 from core.bulk import bulk_operation_as_dict, bulk_operation_process
 from core.models import BulkOperation
 from jobs import executor, services, wake, worker
+from jobs.selectors import jobs_due_exist
 
 logger = logging.getLogger("orchestrator.jobs")
 
@@ -26,7 +27,9 @@ QUICK_JOB_S = 0.05
 
 def drain(*args, **kwargs) -> int:
     """Claim and run eligible jobs, a batch per claim, until none is left or the message's budget
-    is spent; then, when the budget ran out first, send the next wake message.
+    is spent; then, when the budget ran out first, send the next wake message. The drain's first
+    claim that comes back full (as many jobs as it asked for) wakes one more worker while jobs are
+    due (``wake.enqueue_wake_count``).
 
     The budget (``ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS`` jobs, ``..._DRAIN_MAX_S`` seconds) keeps
     one message short, so stopping a cluster waits for at most one budget plus one batch. On
@@ -38,13 +41,21 @@ def drain(*args, **kwargs) -> int:
     deadline = time.monotonic() + settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_S
     budget = settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS
     done = 0
+    fanned_out = False
     while done < budget and time.monotonic() < deadline:
         listening = wake.listen_mark()
-        jobs = services.jobs_claim(worker=me, limit=min(_batch["size"], budget - done))
+        asked = min(_batch["size"], budget - done)
+        jobs = services.jobs_claim(worker=me, limit=asked)
         if not jobs:
             if wake.linger(listening, deadline):
                 continue  # a job was enqueued meanwhile: claim it now
             return done
+        if not fanned_out and len(jobs) == asked:
+            # More may wait than this worker takes in one claim (an enqueue wakes a worker per batch):
+            # while jobs are due, one more worker joins, and its drain does the same.
+            fanned_out = True
+            if jobs_due_exist(timezone.now()):
+                wake.wake_workers(1, force=True)
         started = time.monotonic()
         executor.jobs_run_claimed(jobs, worker=me)
         quick = (time.monotonic() - started) / len(jobs) < QUICK_JOB_S

@@ -6,8 +6,10 @@ worker drains many jobs per message. A wake asked for inside the window is not d
 message is sent when the window ends (a job enqueued just after a worker's drain found the
 queue empty waits at most the window, not the maintenance pump's interval). The pump still
 re-issues messages whenever eligible jobs wait with no message in the broker (lost messages,
-retries whose backoff has passed). A burst (an enqueue of many jobs, the pump) asks for as many
-messages as the deployment has live workers, in every cluster (``worker_count``).
+retries whose backoff has passed). An enqueue of many jobs asks for a message per claim batch they
+fill, the pump for one per waiting job, each at most as many as the deployment has live workers, in
+every cluster (``worker_count``); a drain whose claim came back full wakes one more worker while jobs
+are due, so the workers join as the backlog asks for them.
 
 On PostgreSQL a worker whose drain found the queue empty can linger (off by default) for
 ``ORCHESTRATOR_QUEUE_DRAIN_LINGER_MS`` listening on ``CHANNEL`` (``linger``), and an enqueue
@@ -171,6 +173,18 @@ def linger(listening: bool, until: float) -> bool:
     except Exception:  # the connection broke: the next statement reconnects, the usual path goes on
         logger.warning("lingering for jobs stopped: the database connection failed", exc_info=True)
     return False
+
+
+def enqueue_wake_count(queued: int) -> int:
+    """Wake messages for ``queued`` jobs enqueued together: one per claim batch they fill
+    (``ORCHESTRATOR_QUEUE_CLAIM_BATCH``: a worker of quick jobs claims that many in one statement), at
+    most the deployment's live workers (``worker_count``). A message per job woke every worker for a
+    handful of jobs: with two clusters, four drains raced for five jobs, three of them claimed nothing
+    under the claim lock, and the p50 of queued → executing at 500 jobs/s was 10-14 ms against 8 ms
+    with one message. Jobs claimed one at a time (slow ones) still spread over the workers: a drain
+    whose claim came back full wakes one more worker while jobs are due (``jobs.tasks.drain``)."""
+    batch = max(1, settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH)
+    return min(-(-queued // batch), worker_count()) if queued > 0 else 0
 
 
 # How long a process trusts its count of the deployment's live workers (``worker_count``).

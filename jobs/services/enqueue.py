@@ -184,8 +184,8 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
     events, one metric row, the lanes' rows in one statement, then the caps checked once for
     all of them (``QueueFull`` when they do not all fit: none is queued). A deduplicated type goes
     through ``job_enqueue`` for each payload in the same transaction (each its own dedupe
-    outcome). Wakes as many workers as there are new jobs, up to the cluster's workers, after
-    commit. At most ``ENQUEUE_MANY_MAX`` payloads per call.
+    outcome). After commit, wakes a worker per claim batch the new jobs fill, up to the
+    deployment's live workers (``wake.enqueue_wake_count``). At most ``ENQUEUE_MANY_MAX`` payloads per call.
 
     ``dedupe_checked``: the caller holds, until its transaction ends, a lock that every writer of
     this type's dedupe keys for these payloads holds, and found no active job holding them (the run
@@ -246,7 +246,7 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
         for job in jobs:
             _after_commit_hook(definition, "on_queued", job.pk)
         queued = len(jobs)
-        transaction.on_commit(lambda: wake.wake_workers(min(queued, wake.worker_count())))
+        transaction.on_commit(lambda: wake.wake_workers(wake.enqueue_wake_count(queued)))
         return [EnqueueResult(job, "enqueued") for job in jobs]
 
 

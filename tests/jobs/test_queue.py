@@ -475,6 +475,7 @@ def test_a_burst_wakes_every_live_worker_of_the_deployment_not_only_one_clusters
     worker not seen for a lease is not counted); the count is read again after its time to live."""
     from jobs import wake
 
+    settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH = 1  # a claim batch per job: the live workers bound the count
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
     settings.ORCHESTRATOR_QUEUE_LEASE_S = 15
     settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
@@ -494,6 +495,25 @@ def test_a_burst_wakes_every_live_worker_of_the_deployment_not_only_one_clusters
     with django_capture_on_commit_callbacks(execute=True):
         jobs_enqueue_many(job_type="noop", project=project, payloads=[{"value": n} for n in range(3)])
     assert sent == [5, 3]  # never more messages than jobs
+
+
+def test_an_enqueue_wakes_a_worker_per_claim_batch_its_jobs_fill_up_to_the_live_workers(
+        project, settings, monkeypatch, django_capture_on_commit_callbacks):
+    """A handful of jobs is one worker's claim: waking every worker for them made the others race
+    for nothing under the claim lock."""
+    from jobs import wake
+
+    settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH = 4
+    settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
+    settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
+    _heartbeats(timezone.now(), a=[0, 0], b=[0, 0])  # four live workers
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    monkeypatch.setattr("jobs.wake.waiting_messages", lambda: 0)
+    for jobs in (1, 4, 5, 9, 40):
+        with django_capture_on_commit_callbacks(execute=True):
+            jobs_enqueue_many(job_type="noop", project=project, payloads=[{"value": n} for n in range(jobs)])
+    assert sent == [1, 1, 2, 3, 4]  # ceil(jobs / 4), at most the four workers
 
 
 def test_a_cluster_alone_or_not_yet_seen_wakes_its_own_workers(project, settings, monkeypatch):
@@ -518,6 +538,7 @@ def test_a_wake_after_an_enqueue_goes_on_with_the_last_count_when_the_database_c
 
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
     settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
+    settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH = 1
     monkeypatch.setitem(wake._workers_seen, "count", 6)
     sent = []
     monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
@@ -689,3 +710,57 @@ def test_a_wake_goes_out_when_the_broker_cannot_say_what_waits(db, monkeypatch):
 
     monkeypatch.setitem(wake._broker, "client", Broker())
     assert wake.wake_workers(2, force=True) == 2 and sent == [2]
+
+
+def test_whether_a_claim_may_find_a_job_is_told_by_the_waiting_jobs_that_are_due(project):
+    from jobs.selectors import jobs_due_exist
+
+    now = timezone.now()
+    assert jobs_due_exist(now) is False  # nothing waits
+    later = job_enqueue(job_type="noop", project=project, payload={"value": 1}, not_before=now + LATER).job
+    assert jobs_due_exist(now) is False  # it waits, but not yet
+    assert jobs_due_exist(later.not_before) is True  # its time has come
+    enqueue(project, value=2)
+    assert jobs_due_exist(now) is True
+    assert run_next().state == JobState.COMPLETED
+    assert jobs_due_exist(now) is False  # the due one ran; the later one still waits
+
+
+@pytest.fixture
+def draining(monkeypatch, settings):
+    """A drain's wake messages (each send's count); no heartbeat thread, no message waiting, the
+    drain's claims starting at one job."""
+    from jobs import tasks
+
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
+    monkeypatch.setattr("jobs.worker.ensure_started", lambda: None)
+    monkeypatch.setattr("jobs.wake.waiting_messages", lambda: 0)
+    monkeypatch.setitem(tasks._batch, "size", 1)
+    sent = []
+    monkeypatch.setattr("jobs.wake._send", lambda count: sent.append(count))
+    return sent
+
+
+def test_a_drain_whose_claim_came_back_full_wakes_one_more_worker_while_jobs_are_due(project, draining):
+    """An enqueue wakes a worker per claim batch; jobs claimed one at a time (a worker's claims after
+    a slow job) would wait for that one worker: its first full claim brings one more in."""
+    from jobs import tasks
+
+    jobs = [enqueue(project, value=n) for n in range(3)]
+    assert tasks.drain() == 3
+    assert draining == [1]  # one more worker, once per drain
+    assert set(Job.objects.filter(pk__in=[job.pk for job in jobs]).values_list("state", flat=True)) == \
+        {JobState.COMPLETED}
+
+
+def test_a_drain_that_took_the_last_due_job_or_came_back_short_wakes_nobody(project, draining):
+    from jobs import tasks
+
+    enqueue(project, value=1)
+    job_enqueue(job_type="noop", project=project, payload={"value": 2}, not_before=timezone.now() + LATER)
+    assert tasks.drain() == 1  # a full claim of one, and only a job for later waits
+    assert draining == []
+    tasks._batch["size"] = 8
+    enqueue(project, value=3)
+    assert tasks.drain() == 1  # a claim of one where eight were asked for: nothing more to share
+    assert draining == []
