@@ -43,7 +43,8 @@ def probe(database_url: str, seconds: float, every_ms: float) -> dict:
     def at(q: float) -> float:
         return round(latencies[min(len(latencies) - 1, int(len(latencies) * q))], 2) if latencies else 0.0
 
-    return {"count": len(latencies), "p50": at(0.5), "p99": at(0.99), "max": round(latencies[-1], 1) if latencies else 0.0,
+    return {"count": len(latencies), "p50": at(0.5), "p99": at(0.99),
+            "max": round(latencies[-1], 1) if latencies else 0.0,
             "over_20_ms": sum(1 for latency in latencies if latency > 20)}
 
 

@@ -562,8 +562,8 @@ def main() -> None:
         if measured.commits:
             c = measured.commits
             print(f"    beside it, a bare PostgreSQL commit of one row every 10 ms (the floor of any job that is "
-                  f"committed queued, then claimed): p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms, max {c['max']:.0f} ms, "
-                  f"{c['over_20_ms']} of {c['count']} over 20 ms")
+                  f"committed queued, then claimed): p50 {c['p50']:.1f} ms, p99 {c['p99']:.1f} ms, "
+                  f"max {c['max']:.0f} ms, {c['over_20_ms']} of {c['count']} over 20 ms")
     if profiled:
         print(f"profiled pass (py-spy, 1 cluster, not in the table): {profiled.rate:.0f} jobs/s -> "
               f"bench/out/profile-scale-{db_label}.folded")
