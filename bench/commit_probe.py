@@ -4,17 +4,19 @@ while a benchmark runs beside it.
     .venv/bin/python -m bench.commit_probe DATABASE_URL SECONDS [--every-ms 10]
 
 Every ``--every-ms`` ms, on a connection of its own, one row is inserted into a table of its own
-and committed (the commit waits for its WAL to reach the disk, as every enqueue and claim of our
-queue does); the commits' latencies are printed as one JSON object (``count``, ``p50``, ``p99``,
-``max`` in ms, ``over_20_ms``) when ``SECONDS`` have passed. ``bench/scale.py`` runs it beside its
-latency stream: a commit of one row stalled for 100 ms tells that the disk's flush stalled, and
-every job enqueued or claimed in that moment waited for the same flush.
+and committed (the commit waits for its WAL to reach the disk, as every enqueue, claim and
+completion of our queue does); the commits' latencies are printed as one JSON object (``count``,
+``p50``, ``p99``, ``max`` in ms, ``over_20_ms``) when ``SECONDS`` have passed (0: when it is sent
+SIGTERM). ``bench/scale.py`` runs it beside each pass and each latency stream: a commit of one row
+stalled for 100 ms tells that the disk's flush stalled, and every job enqueued, claimed or completed
+in that moment waited for the same flush.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 
 import psycopg
@@ -27,9 +29,11 @@ def probe(database_url: str, seconds: float, every_ms: float) -> dict:
     with psycopg.connect(database_url) as conn:
         conn.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id bigserial PRIMARY KEY, at timestamptz NOT NULL)")
         conn.commit()
-        end = time.monotonic() + seconds
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+        end = time.monotonic() + seconds if seconds > 0 else float("inf")
         next_at = time.monotonic()
-        while next_at < end:
+        while next_at < end and not stop:
             time.sleep(max(0.0, next_at - time.monotonic()))
             started = time.perf_counter()
             conn.execute(f"INSERT INTO {TABLE} (at) VALUES (now())")

@@ -31,6 +31,8 @@ to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.ts
 stream, on PostgreSQL, ``bench/commit_probe.py`` commits one row every 10 ms on a connection of its own
 and its latencies are printed under the stream's: the floor of a job that is committed queued, then
 claimed (a flush of the disk that stalls for 300 ms stalls every enqueue and claim of that moment).
+It also runs beside each throughput pass (a commit every ``PASS_PROBE_MS`` ms), printed on the
+pass's line: a pass of a few seconds that met a stall of 200 ms shows it.
 Before each pass this process's heap is frozen out of the garbage collector's view
 (``_collector_quiet``): its own full collections took 100-350 ms of the two cores at moments of their own.
 
@@ -120,6 +122,36 @@ class Result:
     statements: float | None = None  # per job
     counted_xact: float | None = None  # per job, counted by the processes
     problems: list[str] = field(default_factory=list)
+    flushes: dict | None = None  # PostgreSQL: the bare commits beside the pass (``bench/commit_probe.py``)
+
+
+@contextmanager
+def _bare_commits(every_ms: float, seconds: float = 0) -> Iterator[dict]:
+    """On PostgreSQL, ``bench/commit_probe.py`` committing one row every ``every_ms`` ms beside what
+    the block measures (for ``seconds``, or until the block ends); its figures are put into the dict
+    yielded once it stopped (left empty on SQLite)."""
+    found: dict = {}
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        yield found
+        return
+    probe = subprocess.Popen([sys.executable, "-m", "bench.commit_probe", url, str(seconds), "--every-ms",
+                              str(every_ms)], stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
+    try:
+        yield found
+    finally:
+        if not seconds:
+            probe.terminate()
+        output = probe.communicate(timeout=STALL_S)[0]
+        if output.strip():
+            found.update(json.loads(output))
+
+
+def _flushes_text(flushes: dict | None) -> str:
+    if not flushes:
+        return ""
+    return (f"; a bare commit beside it: p50 {flushes['p50']:.1f} ms, max {flushes['max']:.0f} ms, "
+            f"{flushes['over_20_ms']} of {flushes['count']} over 20 ms")
 
 
 def _wait(predicate, window: Window, timeout: float) -> None:
@@ -255,7 +287,8 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
     window = Window(database_url, REDIS_URL)
     processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
     spy = start_profile(processes[0].pid, profile) if profile else None
-    with _workers_running(processes, f"our queue, {clusters} cluster(s)", REDIS_URL, ids):
+    with _workers_running(processes, f"our queue, {clusters} cluster(s)", REDIS_URL, ids), \
+            _bare_commits(PASS_PROBE_MS) as flushes:
         try:
             window.open()
             before = cpu_times()
@@ -273,7 +306,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
     counts = window.close(n)
     problems = counting.executions_check(REDIS_URL, ids) + _jobs_check(ids, workers)
     return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
-                  counts["statements"], counts["counted_xact"], problems)
+                  counts["statements"], counts["counted_xact"], problems, flushes or None)
 
 
 def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str | None) -> Result:
@@ -289,14 +322,16 @@ def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str 
     window = Window(database_url, REDIS_URL)
     # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
     processes = _start_clusters(clusters, {**env, **BARE_DJANGO_Q}, out, f"bare-{clusters}")
-    with _workers_running(processes, f"bare django-q2, {clusters} cluster(s)", REDIS_URL, range(n)):
+    with _workers_running(processes, f"bare django-q2, {clusters} cluster(s)", REDIS_URL, range(n)), \
+            _bare_commits(PASS_PROBE_MS) as flushes:
         window.open()
         before = cpu_times()
         counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
         after = cpu_times()
     counts = window.close(n)
     return Result(counting.counted_rate(REDIS_URL, n), busy_percent(before, after), counts["xact"],
-                  counts["statements"], counts["counted_xact"], counting.executions_check(REDIS_URL, range(n)))
+                  counts["statements"], counts["counted_xact"], counting.executions_check(REDIS_URL, range(n)),
+                  flushes or None)
 
 
 def measure_celery(workers: int, n: int, out: Path) -> Result:
@@ -355,6 +390,12 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None) ->
     return ids
 
 
+# How often a bare commit is timed beside a throughput pass (``_bare_commits``): often enough to see a
+# stall of the disk's flush, seldom enough to add nothing the pass would feel (20 commits/s against
+# thousands of jobs).
+PASS_PROBE_MS = 50
+
+
 # The stream's first second is reported apart: it holds the new workers' first claims (a new
 # process's first statements, its first job), which a long-running cluster pays once per process.
 FIRST_S = 1.0
@@ -383,12 +424,8 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     calls: list[tuple[float, float]] = []
     _collector_quiet()
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
-        probe = None
-        if env.get("DATABASE_URL"):  # the floor: a bare commit's latency on the same server, meanwhile
-            probe = subprocess.Popen([sys.executable, "-m", "bench.commit_probe", env["DATABASE_URL"], str(seconds)],
-                                     stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
-        ids.extend(_produce(rate, seconds, project, calls))
-        commits = json.loads(probe.communicate(timeout=STALL_S)[0]) if probe is not None else None
+        with _bare_commits(10, seconds) as commits:  # the floor: a bare commit on the same server, meanwhile
+            ids.extend(_produce(rate, seconds, project, calls))
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
@@ -405,7 +442,7 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
         (early if (queued - first).total_seconds() < FIRST_S else steady).append(wait)
     steady = steady or early
     return Latency(percentile(steady, 50), percentile(steady, 99), percentile(early, 99) if early else 0.0,
-                   len(ids), problems, max([duration for _, duration in calls] or [0.0]), commits)
+                   len(ids), problems, max([duration for _, duration in calls] or [0.0]), commits or None)
 
 
 def _waits_dump(path: Path, rows: list) -> None:
@@ -501,7 +538,7 @@ def main() -> None:
                     result = measure(processes)
                     results.setdefault((key, processes), []).append(result)
                     print(f"round {number}: {name}: {processes}: {result.rate:.0f}/s, machine CPU busy "
-                          f"{result.cpu:.0f}%", flush=True)
+                          f"{result.cpu:.0f}%{_flushes_text(result.flushes)}", flush=True)
                     if result.problems:
                         _fail(f"{name}, {processes}: " + "; ".join(result.problems))
         latency = {}
