@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
-
-import psycopg
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 TABLE = "bench_commit_probe"
 
 
 def probe(database_url: str, seconds: float, every_ms: float) -> dict:
+    import psycopg
+
     latencies: list[float] = []
     with psycopg.connect(database_url) as conn:
         conn.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (id bigserial PRIMARY KEY, at timestamptz NOT NULL)")
@@ -50,6 +56,42 @@ def probe(database_url: str, seconds: float, every_ms: float) -> dict:
     return {"count": len(latencies), "p50": at(0.5), "p99": at(0.99),
             "max": round(latencies[-1], 1) if latencies else 0.0,
             "over_20_ms": sum(1 for latency in latencies if latency > 20)}
+
+
+# How often a bare commit is timed beside a throughput pass: often enough to see a stall of the
+# disk's flush, seldom enough to add nothing the pass would feel (20 commits/s against thousands of jobs).
+PASS_PROBE_MS = 50
+
+
+@contextmanager
+def beside(every_ms: float, seconds: float = 0, *, timeout: float = 60) -> Iterator[dict]:
+    """On PostgreSQL (``DATABASE_URL`` set), this probe committing one row every ``every_ms`` ms in a
+    process of its own beside what the block measures (for ``seconds``, or until the block ends); its
+    figures are put into the dict yielded once it stopped (left empty on SQLite)."""
+    found: dict = {}
+    url = os.environ.get("DATABASE_URL")
+    if not url:
+        yield found
+        return
+    process = subprocess.Popen([sys.executable, "-m", "bench.commit_probe", url, str(seconds), "--every-ms",
+                                str(every_ms)], stdout=subprocess.PIPE, text=True,
+                               cwd=Path(__file__).resolve().parent.parent)
+    try:
+        yield found
+    finally:
+        if not seconds:
+            process.terminate()
+        output = process.communicate(timeout=timeout)[0]
+        if output.strip():
+            found.update(json.loads(output))
+
+
+def flushes_text(flushes: dict | None) -> str:
+    """A pass's bare commits, as its line prints them ("" when there were none)."""
+    if not flushes:
+        return ""
+    return (f"; a bare commit beside it: p50 {flushes['p50']:.1f} ms, max {flushes['max']:.0f} ms, "
+            f"{flushes['over_20_ms']} of {flushes['count']} over 20 ms")
 
 
 def main() -> None:

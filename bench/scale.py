@@ -31,7 +31,7 @@ to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.ts
 stream, on PostgreSQL, ``bench/commit_probe.py`` commits one row every 10 ms on a connection of its own
 and its latencies are printed under the stream's: the floor of a job that is committed queued, then
 claimed (a flush of the disk that stalls for 300 ms stalls every enqueue and claim of that moment).
-It also runs beside each throughput pass (a commit every ``PASS_PROBE_MS`` ms), printed on the
+It also runs beside each throughput pass (a commit every ``commit_probe.PASS_PROBE_MS`` ms), printed on the
 pass's line: a pass of a few seconds that met a stall of 200 ms shows it.
 Before each pass this process's heap is frozen out of the garbage collector's view
 (``_collector_quiet``): its own full collections took 100-350 ms of the two cores at moments of their own.
@@ -56,9 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -72,6 +70,7 @@ BASE_DIR = HERE.parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 sys.path.insert(0, str(BASE_DIR))
 from bench import counting  # noqa: E402
+from bench.commit_probe import PASS_PROBE_MS, beside, flushes_text  # noqa: E402
 from bench._common import (BARE_DJANGO_Q, Window, percentile, pg_stat_statements_note, start_process,  # noqa: E402
                            start_profile, stop_process, stop_profile, wait_workers)
 
@@ -123,35 +122,6 @@ class Result:
     counted_xact: float | None = None  # per job, counted by the processes
     problems: list[str] = field(default_factory=list)
     flushes: dict | None = None  # PostgreSQL: the bare commits beside the pass (``bench/commit_probe.py``)
-
-
-@contextmanager
-def _bare_commits(every_ms: float, seconds: float = 0) -> Iterator[dict]:
-    """On PostgreSQL, ``bench/commit_probe.py`` committing one row every ``every_ms`` ms beside what
-    the block measures (for ``seconds``, or until the block ends); its figures are put into the dict
-    yielded once it stopped (left empty on SQLite)."""
-    found: dict = {}
-    url = os.environ.get("DATABASE_URL")
-    if not url:
-        yield found
-        return
-    probe = subprocess.Popen([sys.executable, "-m", "bench.commit_probe", url, str(seconds), "--every-ms",
-                              str(every_ms)], stdout=subprocess.PIPE, text=True, cwd=HERE.parent)
-    try:
-        yield found
-    finally:
-        if not seconds:
-            probe.terminate()
-        output = probe.communicate(timeout=STALL_S)[0]
-        if output.strip():
-            found.update(json.loads(output))
-
-
-def _flushes_text(flushes: dict | None) -> str:
-    if not flushes:
-        return ""
-    return (f"; a bare commit beside it: p50 {flushes['p50']:.1f} ms, max {flushes['max']:.0f} ms, "
-            f"{flushes['over_20_ms']} of {flushes['count']} over 20 ms")
 
 
 def _wait(predicate, window: Window, timeout: float) -> None:
@@ -288,7 +258,7 @@ def measure_ours(clusters: int, n: int, project, env: dict, out: Path, database_
     processes = _start_clusters(clusters, env, out, f"ours-{clusters}")
     spy = start_profile(processes[0].pid, profile) if profile else None
     with _workers_running(processes, f"our queue, {clusters} cluster(s)", REDIS_URL, ids), \
-            _bare_commits(PASS_PROBE_MS) as flushes:
+            beside(PASS_PROBE_MS, timeout=STALL_S) as flushes:
         try:
             window.open()
             before = cpu_times()
@@ -323,7 +293,7 @@ def measure_bare(clusters: int, n: int, env: dict, out: Path, database_url: str 
     # The broker's messages wait in Redis (or the ORM table); the workers take them once started.
     processes = _start_clusters(clusters, {**env, **BARE_DJANGO_Q}, out, f"bare-{clusters}")
     with _workers_running(processes, f"bare django-q2, {clusters} cluster(s)", REDIS_URL, range(n)), \
-            _bare_commits(PASS_PROBE_MS) as flushes:
+            beside(PASS_PROBE_MS, timeout=STALL_S) as flushes:
         window.open()
         before = cpu_times()
         counting.wait_counted(REDIS_URL, n, stall_s=STALL_S)
@@ -390,12 +360,6 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None) ->
     return ids
 
 
-# How often a bare commit is timed beside a throughput pass (``_bare_commits``): often enough to see a
-# stall of the disk's flush, seldom enough to add nothing the pass would feel (20 commits/s against
-# thousands of jobs).
-PASS_PROBE_MS = 50
-
-
 # The stream's first second is reported apart: it holds the new workers' first claims (a new
 # process's first statements, its first job), which a long-running cluster pays once per process.
 FIRST_S = 1.0
@@ -424,7 +388,7 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     calls: list[tuple[float, float]] = []
     _collector_quiet()
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
-        with _bare_commits(10, seconds) as commits:  # the floor: a bare commit on the same server, meanwhile
+        with beside(10, seconds, timeout=STALL_S) as commits:  # the floor: a bare commit on the same server, meanwhile
             ids.extend(_produce(rate, seconds, project, calls))
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
         deadline = time.monotonic() + STALL_S
@@ -538,7 +502,7 @@ def main() -> None:
                     result = measure(processes)
                     results.setdefault((key, processes), []).append(result)
                     print(f"round {number}: {name}: {processes}: {result.rate:.0f}/s, machine CPU busy "
-                          f"{result.cpu:.0f}%{_flushes_text(result.flushes)}", flush=True)
+                          f"{result.cpu:.0f}%{flushes_text(result.flushes)}", flush=True)
                     if result.problems:
                         _fail(f"{name}, {processes}: " + "; ".join(result.problems))
         latency = {}
