@@ -11,10 +11,11 @@ from django.db import IntegrityError, connection, transaction
 from django.utils import timezone
 
 from core.errors import ValidationFailed
+from core.inserts import insert_tree
 from core.metrics import metric_sample, metrics_add
 from core.models import Organization, Project
 from core.services import audit_record, events_record, transition_log
-from core.sql import hot_cursor, insert_tree, per_vendor
+from core.sql import hot_cursor, per_vendor
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass

@@ -18,8 +18,9 @@ from core.errors import (
 )
 from core.models import Project
 from core.fsm import save_moved_together
+from core.inserts import insert_tree
 from core.services import audit_record, row_lock, transition_log
-from core.sql import ModelRows, hot_cursor, insert_tree, per_vendor
+from core.sql import ModelRows, hot_cursor, per_vendor
 from runs.events import node_event, run_event
 from runs.models import (
     DONE_NODE_STATES,

@@ -90,3 +90,23 @@ def test_the_workers_are_woken_after_commit_only(project, monkeypatch, django_ca
     for callback in callbacks:
         callback()
     assert sum(sent) >= 1
+
+
+def test_every_value_of_the_jobs_is_stored_as_given(project, define_job):
+    from datetime import datetime, timedelta, timezone as dt_timezone
+
+    definition = define_job(type="exact", run=lambda ctx, payload: None, timeout_s=0.1 + 0.2, deadline_ms=1500,
+                            fallback=lambda payload: {"late": True})
+    payloads = [{"text": text, "n": 2 ** 60 + n, "ratio": 0.1 * n, "nested": {"none": None, "list": [True, "x"]}}
+                for n, text in enumerate(['it\'s "quoted"', 'back\\slash \\u0041', 'line\nbreak', 'ünïcode ✓ 🚀'])]
+    not_before = datetime(2026, 1, 2, 3, 4, 5, 123456, tzinfo=dt_timezone(timedelta(hours=-7, minutes=-30)))
+    jobs = [result.job for result in jobs_enqueue_many(job_type="exact", project=project, payloads=payloads,
+                                                        not_before=not_before)]
+    for job, payload in zip(jobs, payloads):
+        stored = Job.objects.get(pk=job.pk)
+        assert stored.payload == payload
+        assert stored.not_before == not_before and stored.queued_at == job.queued_at
+        assert stored.deadline_at == job.queued_at + timedelta(milliseconds=1500)
+        assert stored.timeout_s == definition.effective_timeout_s == 0.1 + 0.2
+        assert (stored.type, stored.project_id) == ("exact", project.pk)
+        assert stored.organization_id == project.organization_id

@@ -1,6 +1,6 @@
 """On SQLite, the writes PostgreSQL makes in one ``WITH`` go through one statement too: an insert into
 a temporary view whose trigger makes them (``core.sql.sqlite_writes``); a run's tree is inserted
-with keys read first (``core.sql.insert_tree``)."""
+with keys read first (``core.inserts.insert_tree``)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from django_fsm import ConcurrentTransition
 from billing.models import CreditAccount
 from billing.services import ledger_reserve
 from core.fsm import moves_put_off, save_moved_together
+from core.inserts import insert_tree
 from core.models import Event
-from core.sql import WriteMissed, insert_tree, sqlite_writes
+from core.sql import WriteMissed, sqlite_writes
 from runs import outbox, services
 from runs.models import Agent, Step, Task
 from tests.conftest import make_plan
