@@ -10,9 +10,10 @@ it anyway for the registered tables (each app registers its own in ``ready()``),
 workers' maintenance: one catalog read per interval, an ``ANALYZE`` (a sample of each table) only
 of the tables that grew (or shrank) by half since their statistics were taken, or, for a table
 registered with ``churn`` (a queue, whose rows' states are what its plans depend on), of which
-enough rows changed. Taking them again also makes every connection plan its statements on these
-tables afresh, so the rules keep it rare: a few times in a table's first minutes, about once per
-doubling after.
+enough rows changed, at most once per ``STATISTICS_CHURN_INTERVAL_S``. Taking them again also
+makes every connection plan its statements on these tables afresh, so the rules keep it rare: a
+few times in a table's first minutes, about once per doubling after, and for a queue that turns
+over its rows every second or two (a few thousand rows, thousands of jobs a second) twice a minute.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ STATISTICS_GROWTH = 2.0
 STATISTICS_MIN_GROWTH = 100
 STATISTICS_CHANGED_SHARE = 0.2
 STATISTICS_MIN_CHANGES = 1_000
+# The churn rule fires for a table at most once in this many seconds (since its last ANALYZE, ours or
+# autovacuum's): a queue of a few thousand rows at 1,500 jobs/s changed a fifth of them between two
+# checks, and its ANALYZE (100 ms of a core, at every check) and the plans every connection then made
+# again cost the workers more than statistics a few seconds older would. The growth rule has no floor.
+STATISTICS_CHURN_INTERVAL_S = 30
 # How long an ANALYZE waits for a table's lock (held by a migration, a VACUUM) before it gives up.
 STATISTICS_LOCK_TIMEOUT_MS = 1_000
 
@@ -65,10 +71,13 @@ def statistics_refresh() -> list[str]:
                 " AND ((abs(s.n_live_tup - t.taken) >= %(growth_min)s"
                 "       AND (s.n_live_tup >= %(growth)s * t.taken OR s.n_live_tup * %(growth)s <= t.taken))"
                 "   OR (s.relid = ANY(%(churn)s::regclass[])"
-                "       AND s.n_mod_since_analyze >= GREATEST(%(changes)s, %(share)s * s.n_live_tup)))"
+                "       AND s.n_mod_since_analyze >= GREATEST(%(changes)s, %(share)s * s.n_live_tup)"
+                "       AND COALESCE(GREATEST(s.last_analyze, s.last_autoanalyze) < now() - %(floor)s * interval '1 s',"
+                "                    true)))"
                 " ORDER BY s.relname",
                 {"tables": tables, "churn": churn, "growth": STATISTICS_GROWTH, "growth_min": STATISTICS_MIN_GROWTH,
-                 "changes": STATISTICS_MIN_CHANGES, "share": STATISTICS_CHANGED_SHARE})
+                 "changes": STATISTICS_MIN_CHANGES, "share": STATISTICS_CHANGED_SHARE,
+                 "floor": STATISTICS_CHURN_INTERVAL_S})
             behind = [row[0] for row in cursor.fetchall()]
         if behind:
             with transaction.atomic(), connection.cursor() as cursor:
