@@ -29,7 +29,10 @@ def drain(*args, **kwargs) -> int:
     """Claim and run eligible jobs, a batch per claim, until none is left or the message's budget
     is spent; then, when the budget ran out first, send the next wake message. The drain's first
     claim that comes back full (as many jobs as it asked for) wakes one more worker while jobs are
-    due (``wake.enqueue_wake_count``).
+    due (``wake.enqueue_wake_count``). A claim that does not follow a full one is made only if jobs
+    are due (``jobs_due_exist``: an index read, no lock): the claims that would find nothing (a
+    message whose jobs another drain took, the claim after a drain's last batch) were half of all
+    claims under a steady stream, each holding the claim lock that every claim waits for.
 
     The budget (``ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS`` jobs, ``..._DRAIN_MAX_S`` seconds) keeps
     one message short, so stopping a cluster waits for at most one budget plus one batch. On
@@ -41,16 +44,20 @@ def drain(*args, **kwargs) -> int:
     deadline = time.monotonic() + settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_S
     budget = settings.ORCHESTRATOR_QUEUE_DRAIN_MAX_JOBS
     done = 0
-    fanned_out = False
+    fanned_out = full = False
     while done < budget and time.monotonic() < deadline:
         listening = wake.listen_mark()
         asked = min(_batch["size"], budget - done)
-        jobs = services.jobs_claim(worker=me, limit=asked)
+        # Unless the last claim came back full, a claim is likely to find nothing (another drain took
+        # the jobs this message was sent for, or this one took them all): one read without the claim
+        # lock tells, and a claim that would find nothing is not made.
+        jobs = services.jobs_claim(worker=me, limit=asked) if full or jobs_due_exist(timezone.now()) else []
+        full = len(jobs) == asked
         if not jobs:
             if wake.linger(listening, deadline):
                 continue  # a job was enqueued meanwhile: claim it now
             return done
-        if not fanned_out and len(jobs) == asked:
+        if not fanned_out and full:
             # More may wait than this worker takes in one claim (an enqueue wakes a worker per batch):
             # while jobs are due, one more worker joins, and its drain does the same.
             fanned_out = True

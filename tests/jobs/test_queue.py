@@ -753,6 +753,29 @@ def test_a_drain_whose_claim_came_back_full_wakes_one_more_worker_while_jobs_are
         {JobState.COMPLETED}
 
 
+def test_a_drain_claims_only_while_jobs_are_due_unless_its_last_claim_came_back_full(project, draining,
+                                                                                    monkeypatch):
+    """A claim takes the claim lock every claim waits for: one that would find nothing (the jobs of
+    the message taken by another drain, the claim after a drain's last batch) is not made."""
+    from jobs import services, tasks
+
+    claims = []
+    claim = services.jobs_claim
+    monkeypatch.setattr(services, "jobs_claim", lambda **kwargs: claims.append(kwargs["limit"]) or claim(**kwargs))
+    assert tasks.drain() == 0 and claims == []  # nothing waits
+    job_enqueue(job_type="noop", project=project, payload={"value": 0}, not_before=timezone.now() + LATER)
+    assert tasks.drain() == 0 and claims == []  # only a job for later
+    tasks._batch["size"] = 8
+    for n in range(3):
+        enqueue(project, value=n)
+    assert tasks.drain() == 3 and claims == [8]  # a short claim took them all: nothing due after it
+    tasks._batch["size"] = 2
+    for n in range(2):
+        enqueue(project, value=n)
+    assert tasks.drain() == 2 and claims == [8, 2, 4]  # after a full claim, the next is made (and finds none)
+    assert draining == []
+
+
 def test_a_drain_that_took_the_last_due_job_or_came_back_short_wakes_nobody(project, draining):
     from jobs import tasks
 
