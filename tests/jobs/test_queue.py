@@ -501,8 +501,6 @@ def test_an_enqueue_wakes_a_worker_per_claim_batch_its_jobs_fill_up_to_the_live_
         project, settings, monkeypatch, django_capture_on_commit_callbacks):
     """A handful of jobs is one worker's claim: waking every worker for them made the others race
     for nothing under the claim lock."""
-    from jobs import wake
-
     settings.ORCHESTRATOR_QUEUE_CLAIM_BATCH = 4
     settings.ORCHESTRATOR_QUEUE_WAKE_COALESCE_MS = 0
     settings.Q_CLUSTER = {**settings.Q_CLUSTER, "workers": 2}
