@@ -54,6 +54,17 @@ def scratch_database(kind: str, name: str = "orchestrator_bench") -> dict[str, s
     return env
 
 
+def broker_env(env: dict[str, str], *, sqlite: bool, redis_url: str) -> None:
+    """Complete ``env`` with the broker of the benchmark's processes (the ORM broker on SQLite, whose
+    rate limits then live in the database too; Redis at ``redis_url`` otherwise) and apply it here."""
+    if sqlite:
+        os.environ.pop("REDIS_URL", None)
+        env["ORCHESTRATOR_RATE_LIMIT_STORE"] = "database"
+    else:
+        env["REDIS_URL"] = redis_url
+    os.environ.update(env)
+
+
 def django_setup() -> None:
     import django
     from django.core.management import call_command

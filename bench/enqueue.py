@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 # bench/ holds a queue.py: keep it off the import path so the standard library's ``queue`` is found.
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HERE]
 sys.path.insert(0, str(HERE.parent))
-from bench._common import percentile, scratch_database, start_profile, stop_profile  # noqa: E402
+from bench._common import broker_env, percentile, scratch_database, start_profile, stop_profile  # noqa: E402
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 EMPTY_EVERY = 20
@@ -100,12 +100,7 @@ def main() -> None:
     env = scratch_database("sqlite" if args.sqlite else "postgres", name="orchestrator_bench_enqueue")
     env.update({"ORCHESTRATOR_Q_NAME": f"bench-enqueue-{os.getpid()}", "DJANGO_SETTINGS_MODULE": "bench.settings",
                 "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000", "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000"})
-    if args.sqlite:
-        os.environ.pop("REDIS_URL", None)
-        env["ORCHESTRATOR_RATE_LIMIT_STORE"] = "database"
-    else:
-        env["REDIS_URL"] = REDIS_URL
-    os.environ.update(env)
+    broker_env(env, sqlite=args.sqlite, redis_url=REDIS_URL)
     import django
     from django.core.management import call_command
 

@@ -454,7 +454,7 @@ def main() -> None:
         sys.exit("--jobs must be at least 2, --rounds and --concurrency at least 1, --stall-seconds positive")
     STALL_S = args.stall_seconds
 
-    from bench._common import scratch_database
+    from bench._common import broker_env, scratch_database
 
     env = scratch_database("sqlite" if args.sqlite else "postgres", name="orchestrator_bench_scale")
     # A queue name of this run's own: a stray cluster left on the same broker never takes its messages.
@@ -463,12 +463,7 @@ def main() -> None:
                 "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000",
                 "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500",
                 "DJANGO_SETTINGS_MODULE": "bench.settings"})
-    if args.sqlite:
-        os.environ.pop("REDIS_URL", None)
-        env["ORCHESTRATOR_RATE_LIMIT_STORE"] = "database"
-    else:
-        env["REDIS_URL"] = REDIS_URL
-    os.environ.update(env)
+    broker_env(env, sqlite=args.sqlite, redis_url=REDIS_URL)
     database_url = env.get("DATABASE_URL")
     child_env = {**env, "BENCH_COUNT_URL": REDIS_URL}
     import django
