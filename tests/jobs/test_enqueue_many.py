@@ -1,5 +1,7 @@
 """Several jobs of one type queued in one transaction (``jobs_enqueue_many``): all or none."""
 
+from datetime import datetime, timedelta, timezone as dt_timezone
+
 import pytest
 
 from core.errors import ValidationFailed
@@ -93,8 +95,6 @@ def test_the_workers_are_woken_after_commit_only(project, monkeypatch, django_ca
 
 
 def test_every_value_of_the_jobs_is_stored_as_given(project, define_job):
-    from datetime import datetime, timedelta, timezone as dt_timezone
-
     definition = define_job(type="exact", run=lambda ctx, payload: None, timeout_s=0.1 + 0.2, deadline_ms=1500,
                             fallback=lambda payload: {"late": True})
     payloads = [{"text": text, "n": 2 ** 60 + n, "ratio": 0.1 * n, "nested": {"none": None, "list": [True, "x"]}}
