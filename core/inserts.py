@@ -7,11 +7,12 @@ import json
 import math
 from datetime import datetime
 from decimal import Decimal
+from operator import attrgetter
 
-from django.db import connection
+from django.db import connection, models
 from psycopg.types.json import Jsonb
 
-from core.sql import db, db_values, hot_cursor, per_vendor, sqlite_writes
+from core.sql import db, db_column, db_values, hot_cursor, per_vendor, sqlite_writes
 
 
 def insert_tree(levels: list[tuple[list, str | None]]) -> None:
@@ -45,8 +46,7 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
     for rows, parent in levels:
         model = type(rows[0])
         columns = _tree_columns(model, parent)
-        values = [db_values([field] * len(rows), [field.pre_save(row, True) for row in rows], conn)
-                  for field in columns]
+        values = [db_column(field, _saved(field, rows), conn) for field in columns]
         parents = [previous[id(getattr(row, parent))] for row in rows] if parent is not None else None
         text = _json_rows(values, parents)
         shape.append((model, parent, text is not None))
@@ -72,6 +72,21 @@ def insert_tree(levels: list[tuple[list, str | None]]) -> None:
             row._state.adding, row._state.db = False, conn.alias
             if parent is not None:
                 setattr(row, parent, getattr(row, parent))  # sets the foreign key's column from the parent
+
+
+# The ``pre_save`` of the fields that may set the time themselves (``auto_now``, ``auto_now_add``).
+_AUTO_NOW_PRE_SAVES = (models.DateField.pre_save, models.DateTimeField.pre_save, models.TimeField.pre_save)
+
+
+def _saved(field, rows: list) -> list:
+    """``field.pre_save(row, True)`` of each row: for a field whose ``pre_save`` only reads the
+    attribute (``Field``'s own, or a date or time field's without ``auto_now``/``auto_now_add``) the
+    attribute read directly, without a call per row."""
+    method = type(field).pre_save
+    if method is models.Field.pre_save or (method in _AUTO_NOW_PRE_SAVES and not field.auto_now
+                                           and not field.auto_now_add):
+        return list(map(attrgetter(field.attname), rows))
+    return [field.pre_save(row, True) for row in rows]
 
 
 # JSON writes these as the driver would: a string's characters, an integer's digits (a subclass of

@@ -91,6 +91,23 @@ def db_values(fields, values, conn) -> list:
     return out
 
 
+def db_column(field, values, conn) -> list:
+    """``db_values`` of one field's ``values`` (a column of several rows): the field's kind looked up
+    once for the column, not once per value."""
+    expected, wrap = _field_kind(field, conn)
+    if expected is None:
+        return [field.get_db_prep_save(value, conn) for value in values]
+    out = []
+    for value in values:
+        if type(value) is expected and (expected is not datetime or value.tzinfo is not None):
+            out.append(value if wrap is None else wrap(value))
+        elif value is None:
+            out.append(None)
+        else:
+            out.append(field.get_db_prep_save(value, conn))
+    return out
+
+
 def per_vendor(build):
     """``build(*args)`` (an SQL text built from the connection's vendor, quoting, features) called once
     per vendor and arguments, then served from memory: a hot statement's text is written once."""
@@ -279,7 +296,7 @@ class ModelRows:
             for function in functions:
                 value = function(value, expression, conn)
             values[index] = value
-        if not self._plain():
+        if not self.plain():
             return self.model.from_db(conn.alias, self.names, values)
         # What ``from_db`` builds, without the field-by-field ``__init__`` (a run's tree loads dozens of
         # rows per transaction): every concrete field's value, the state of a row read from ``conn``.
@@ -291,7 +308,7 @@ class ModelRows:
             instance._ConcurrentTransitionMixin__initial_states = {name: values[index] for name, index in self._states}
         return instance
 
-    def _plain(self) -> bool:
+    def plain(self) -> bool:
         """Whether ``Model.from_db`` would do nothing but set the fields: the model keeps Django's own
         ``from_db`` and ``__init__`` (the state machines' mixin adds only its initial states) and
         nothing listens to its ``pre_init``/``post_init`` signals."""

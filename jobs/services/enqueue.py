@@ -8,6 +8,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, connection, transaction
+from django.db.models.base import ModelState
 from django.utils import timezone
 
 from core.errors import ValidationFailed
@@ -21,7 +22,7 @@ from jobs.errors import QueueDisabled, QueueFull
 from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
 from jobs.registry import JobDefinition, definition_get
 from jobs.events import JOB_PROGRESS, JOB_QUEUED
-from jobs.services.common import _after_commit_hook, _emit, _wake, job_as_dict
+from jobs.services.common import JOB_ROWS, _after_commit_hook, _emit, _wake, job_as_dict
 from jobs import wake
 
 
@@ -164,6 +165,45 @@ def _new_job(definition: JobDefinition, project: Project, payload: dict, *, lane
     return job
 
 
+# Where django-fsm's ``ConcurrentTransitionMixin`` keeps a job's states as built (its private name).
+_INITIAL_STATES = "_ConcurrentTransitionMixin__initial_states"
+
+
+def _new_jobs(definition: JobDefinition, project: Project, valid: list[tuple[dict, str]], *, run_id: int | None,
+              priority: int | None, not_before) -> list[Job]:
+    """``_new_job`` of each ``(payload, lane)`` of one call, not saved yet. The first job is built
+    and moved received → queued as ``_new_job`` does (the FSM checks the move); the others are
+    copies of it that differ only in what their payloads decide (the payload, the lane, the dedupe
+    key), all queued at the same moment: a job built field by field and moved by the FSM cost
+    about 75 µs of CPU, a bulk enqueue's largest cost per job."""
+    deduped = definition.dedupe.mode != "none"
+
+    def built(payload: dict, lane: str) -> Job:
+        return _new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
+                        if deduped else None, run_id=run_id, priority=priority, not_before=not_before)
+
+    if not JOB_ROWS.plain():  # a job model that does more when built: each one built so
+        return [built(payload, lane) for payload, lane in valid]
+    first = built(*valid[0])
+    fields = dict(first.__dict__)
+    del fields["_state"]
+    initial = fields.pop(_INITIAL_STATES, None)  # the FSM mixin's, one dict per job
+    cache = first._state.fields_cache  # the project, as ``Job(project=project)`` left it
+    jobs = [first]
+    for payload, lane in valid[1:]:
+        job = Job.__new__(Job)
+        job.__dict__.update(fields)
+        job._state = ModelState()
+        job._state.fields_cache = dict(cache)
+        if initial is not None:
+            job.__dict__[_INITIAL_STATES] = dict(initial)
+        key = definition.dedupe.key(payload, project.pk) if deduped else None
+        job.payload, job.lane = payload, lane
+        job.dedupe_key, job.active_dedupe_key = key or "", f"{definition.type}:{key}" if key else None
+        jobs.append(job)
+    return jobs
+
+
 # Payloads one ``jobs_enqueue_many`` call takes at most.
 ENQUEUE_MANY_MAX = 1000
 
@@ -220,10 +260,7 @@ def jobs_enqueue_many(*, job_type: str, project: Project, payloads: list, run_id
                                 not_before=not_before, actor=actor) for payload, _ in valid]
     # dedupe_checked or not savepoint: the caller's transaction fails with it
     with transaction.atomic(savepoint=savepoint and not dedupe_checked):
-        deduped = definition.dedupe.mode != "none"
-        jobs = [_new_job(definition, project, payload, lane=lane, key=definition.dedupe.key(payload, project.pk)
-                         if deduped else None, run_id=run_id, priority=priority, not_before=not_before)
-                for payload, lane in valid]
+        jobs = _new_jobs(definition, project, valid, run_id=run_id, priority=priority, not_before=not_before)
         insert_tree([(jobs, None)])  # one prepared statement whatever the number of jobs
         for job in jobs:
             transition_log(entity="job", id=job.pk, project=job.project_id, run=job.run_id, type=job.type, attempt=0,

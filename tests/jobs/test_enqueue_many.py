@@ -3,6 +3,7 @@
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import pytest
+from django.db.models.signals import post_init
 
 from core.errors import ValidationFailed
 from core.models import Event, MetricDelta
@@ -110,3 +111,34 @@ def test_every_value_of_the_jobs_is_stored_as_given(project, define_job):
         assert stored.timeout_s == definition.effective_timeout_s == 0.1 + 0.2
         assert (stored.type, stored.project_id) == ("exact", project.pk)
         assert stored.organization_id == project.organization_id
+
+
+def test_each_job_returned_is_its_own_instance_as_the_database_holds_it(project, django_assert_num_queries):
+    payloads = [{"n": 0}, {"n": 1, "lane": "a"}, {"n": 2, "lane": "b"}, {"n": 3}]
+    jobs = [result.job for result in jobs_enqueue_many(job_type="noop", project=project, payloads=payloads)]
+    assert len({id(job) for job in jobs}) == len({job.pk for job in jobs}) == 4
+    with django_assert_num_queries(0):  # the project as given, on every job
+        assert all(job.project is project for job in jobs)
+    fields = [field.attname for field in Job._meta.concrete_fields]
+    for job, payload in zip(jobs, payloads):
+        stored = Job.objects.get(pk=job.pk)
+        assert {name: getattr(job, name) for name in fields} == {name: getattr(stored, name) for name in fields}
+        assert job.payload == payload and not job._state.adding
+    assert [job.lane for job in jobs] == ["", f"project:{project.pk}:user:a", f"project:{project.pk}:user:b", ""]
+    jobs[1].payload["n"] = 99
+    assert [job.payload["n"] for job in jobs] == [0, 99, 2, 3]
+
+
+def test_jobs_are_built_one_by_one_while_something_listens_to_their_building(project):
+    built = []
+
+    def listener(sender, instance, **kwargs):
+        built.append(instance)
+
+    post_init.connect(listener, sender=Job)
+    try:
+        results = jobs_enqueue_many(job_type="noop", project=project, payloads=[{"n": n} for n in range(3)])
+    finally:
+        post_init.disconnect(listener, sender=Job)
+    assert [id(instance) for instance in built] == [id(result.job) for result in results]
+    assert Job.objects.filter(state=JobState.QUEUED).count() == 3
