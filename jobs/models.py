@@ -174,8 +174,13 @@ class Job(ConcurrentTransitions, models.Model):
             models.Index(fields=["priority", "class_rank", "id"], name="job_claim_order_idx",
                          condition=models.Q(state__in=["queued", "awaiting_tool"])),
             models.Index(fields=["project", "state"], name="job_project_state_idx"),
-            models.Index(fields=["state", "lease_expires_at"], name="job_state_lease_idx"),
-            models.Index(fields=["lane", "state"], name="job_lane_state_idx"),
+            # The executing jobs' leases (the recovery of expired ones): a job row written in another
+            # state (enqueued, completed) is not in it.
+            models.Index(fields=["lease_expires_at"], name="job_executing_lease_idx",
+                         condition=models.Q(state="executing")),
+            # The jobs of a lane by state (the aging guard's waiting jobs of a lane); the jobs outside
+            # any lane (most of a busy queue's) are not in it.
+            models.Index(fields=["lane", "state"], name="job_lane_state_idx", condition=~models.Q(lane="")),
             models.Index(fields=["organization", "state"], name="job_organization_state_idx"),
             # The job list (newest first) filtered by state, type or project: an index seek.
             models.Index(fields=["state", "id"], name="job_state_id_idx"),

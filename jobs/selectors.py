@@ -369,7 +369,7 @@ def run_jobs_not_started(*, run_id: int, limit: int) -> list[Job]:
 
 def maintenance_due(now) -> dict[str, bool]:
     """Which maintenance duties have work, in one statement of four indexed ``EXISTS`` probes:
-    an executing job whose lease expired (``job_state_lease_idx``), an active job past its
+    an executing job whose lease expired (``job_executing_lease_idx``), an active job past its
     deadline (``job_active_deadline_idx``), an executing job asked to stop, a waiting job
     (``job_claim_order_idx``). The duties' own scans run only when their probe says so."""
     probes = {

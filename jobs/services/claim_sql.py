@@ -203,7 +203,7 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), s
         # joined them with the lanes, 1 ms a claim at 5,000 waiting jobs)
         f" aged AS (SELECT j.id, j.lane, j.organization_id, j.type, j.queued_at FROM saturated l"
         f" CROSS JOIN {job} j{_indexed_by('job_lane_state_idx')} WHERE EXISTS (SELECT 1 FROM saturated)"
-        f" AND j.lane = l.lane AND {eligible}"
+        f" AND j.lane = l.lane AND NOT (j.lane = '') AND {eligible}"
         f" AND j.priority_class = {_literal(PriorityClass.BACKGROUND)} AND j.queued_at <= %(aging)s"
         f" ORDER BY j.queued_at, j.id LIMIT {candidates}{lock}),"
         + (f" fresh AS (SELECT j.id, j.lane, j.organization_id, j.type, j.priority, j.class_rank,"
