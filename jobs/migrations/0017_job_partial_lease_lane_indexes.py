@@ -23,10 +23,12 @@ class Migration(migrations.Migration):
         ),
         migrations.AddIndex(
             model_name='job',
-            index=models.Index(condition=models.Q(('state', 'executing')), fields=['lease_expires_at'], name='job_executing_lease_idx'),
+            index=models.Index(condition=models.Q(('state', 'executing')), fields=['lease_expires_at'],
+                               name='job_executing_lease_idx'),
         ),
         migrations.AddIndex(
             model_name='job',
-            index=models.Index(condition=models.Q(('lane', ''), _negated=True), fields=['lane', 'state'], name='job_lane_state_idx'),
+            index=models.Index(condition=models.Q(('lane', ''), _negated=True), fields=['lane', 'state'],
+                               name='job_lane_state_idx'),
         ),
     ]
