@@ -182,6 +182,11 @@ class Job(ConcurrentTransitions, models.Model):
             # any lane (most of a busy queue's) are not in it.
             models.Index(fields=["lane", "state"], name="job_lane_state_idx", condition=~models.Q(lane="")),
             models.Index(fields=["organization", "state"], name="job_organization_state_idx"),
+            # The jobs not started yet, by organization and project: the caps' counts at every enqueue
+            # read these rows only, however many jobs the project and the queue have finished.
+            models.Index(fields=["organization", "project"], name="job_not_started_scope_idx",
+                         condition=models.Q(state__in=["received", "queued", "awaiting_tool",
+                                                       "awaiting_user_confirmation"])),
             # The job list (newest first) filtered by state, type or project: an index seek.
             models.Index(fields=["state", "id"], name="job_state_id_idx"),
             models.Index(fields=["type", "id"], name="job_type_id_idx"),

@@ -19,7 +19,8 @@ from core.services import audit_record, events_record, transition_log
 from core.sql import hot_cursor, per_vendor
 from core.tracing import traced, tracing_traceparent
 from jobs.errors import QueueDisabled, QueueFull
-from jobs.models import NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass
+from jobs.models import (NOT_STARTED_JOB_STATES, WAITING_JOB_STATES, Job, JobLane, JobState, PriorityClass,
+                         index_states)
 from jobs.registry import JobDefinition, definition_get
 from jobs.events import JOB_PROGRESS, JOB_QUEUED
 from jobs.services.common import JOB_ROWS, _after_commit_hook, _emit, _wake, job_as_dict
@@ -38,32 +39,45 @@ def organization_max_waiting() -> int:
             or max(settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL // 2))
 
 
-def _waiting_depths(project: Project, *, new: int = 1) -> tuple[int, int, int]:
-    """Jobs waiting in the project, in its organization and in all, in one prepared statement (each
-    an index read of its own, counted up to one past its cap: enough to tell whether the cap is
-    reached, ``new`` jobs of the caller's own transaction included, without reading a deep backlog
-    further than that)."""
+def _waiting_depths(project: Project, *, limits: tuple[int, int, int],
+                    passing: tuple[int, int]) -> tuple[int, int, int]:
+    """Jobs waiting in the project, in its organization and in all, in one prepared statement, each
+    read through the index of the jobs not started (``job_not_started_scope_idx``) and counted up to
+    its limit (``limits``: enough to tell whether its cap is reached), without reading a deep backlog
+    further than that. The total is counted first: the project's and the organization's own counts
+    are read only when the total is more than ``passing`` says passes their caps (a part of the
+    total passes too, and the total stands in for its count)."""
     with hot_cursor() as cursor:
-        cursor.execute(_waiting_depths_sql(), [project.pk, settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT + new,
-                                               project.organization_id, organization_max_waiting() + new,
-                                               settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL + new])
+        cursor.execute(_waiting_depths_sql(), {
+            "project": project.pk, "organization": project.organization_id, "project_limit": limits[0],
+            "organization_limit": limits[1], "total_limit": limits[2], "project_passing": passing[0],
+            "organization_passing": passing[1]})
         project_count, organization_count, total = cursor.fetchone()
     return int(project_count), int(organization_count), int(total)
 
 
 @per_vendor
 def _waiting_depths_sql() -> str:
-    """``_waiting_depths``' statement: the waiting states written out (not parameters), so that a
-    plan made once serves every call; each count stops at its limit."""
+    """``_waiting_depths``' statement: the states of the jobs not started written out as the index's
+    condition names them (not parameters), so that a plan made once (on PostgreSQL, a generic one,
+    whatever the statistics said then) reads that index; each count stops at its limit."""
     table = connection.ops.quote_name(Job._meta.db_table)
-    states = ", ".join(f"'{state}'" for state in NOT_STARTED_JOB_STATES)
+    states = index_states("job_not_started_scope_idx")
+    assert set(states) == set(NOT_STARTED_JOB_STATES), "the index must hold exactly the jobs not started"
+    written = ", ".join(f"'{state}'" for state in states)
 
-    def bounded(where: str) -> str:
-        return (f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} j WHERE j.state IN ({states}){where}"
-                " LIMIT %s) AS waiting)")
+    def bounded(where: str, limit: str) -> str:
+        return (f"(SELECT COUNT(*) FROM (SELECT 1 FROM {table} j WHERE j.state IN ({written}){where}"
+                f" LIMIT %({limit})s) AS waiting)")
 
-    return (f"SELECT {bounded(' AND j.project_id = %s')}, {bounded(' AND j.organization_id = %s')},"
-            f" {bounded('')}")
+    scope = " AND j.organization_id = %(organization)s"
+    # (materialized: PostgreSQL would otherwise count the total again at each of its three uses)
+    materialized = "MATERIALIZED " if connection.vendor == "postgresql" else ""
+    return (f"WITH t AS {materialized}(SELECT {bounded('', 'total_limit')} AS total)"
+            f" SELECT CASE WHEN t.total <= %(project_passing)s THEN t.total"
+            f" ELSE {bounded(scope + ' AND j.project_id = %(project)s', 'project_limit')} END,"
+            f" CASE WHEN t.total <= %(organization_passing)s THEN t.total"
+            f" ELSE {bounded(scope, 'organization_limit')} END, t.total FROM t")
 
 
 def _enqueued_attributes(result: EnqueueResult) -> dict[str, Any]:
@@ -313,13 +327,20 @@ def _caps_check(project: Project, *, new: int) -> None:
     jobs waiting than its cap allows. Read under ``_caps_lock``: every earlier enqueue of the
     project and the organization has committed (or rolled back); the ``new`` jobs this
     transaction wrote are among those counted."""
-    depth, in_organization, total = (count - new for count in _waiting_depths(project, new=max(new, 1)))
+    asked = max(new, 1)
+    caps = (settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, organization_max_waiting(),
+            settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL)
+    limits = tuple(cap + asked for cap in caps)
+    # A count (the new jobs in it) passes its cap up to the cap less what is asked, plus the new; a
+    # total counted to its limit may be less than the jobs waiting: it stands in for no other count.
+    passing = tuple(min(cap - asked + new, limits[2] - 1) for cap in caps[:2])
+    counts = _waiting_depths(project, limits=limits, passing=passing)
+    depth, in_organization, total = (count - new for count in counts)
     for count, cap, scope, where in (
-            (depth, settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, "project", f"project {project.pk} has"),
-            (in_organization, organization_max_waiting(), "organization",
-             f"organization {project.organization_id} has"),
-            (total, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL, "global", "all projects have")):
-        if count + max(new, 1) > cap:
+            (depth, caps[0], "project", f"project {project.pk} has"),
+            (in_organization, caps[1], "organization", f"organization {project.organization_id} has"),
+            (total, caps[2], "global", "all projects have")):
+        if count + asked > cap:
             more = f" ({new} more asked for)" if new > 1 else ""
             raise QueueFull(f"{where} {count} jobs waiting (cap {cap}){more}", retry_after=_retry_hint(), scope=scope)
 

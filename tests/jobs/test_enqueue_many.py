@@ -1,8 +1,10 @@
 """Several jobs of one type queued in one transaction (``jobs_enqueue_many``): all or none."""
 
+import re
 from datetime import datetime, timedelta, timezone as dt_timezone
 
 import pytest
+from django.db import connection
 from django.db.models.signals import post_init
 
 from core.errors import ValidationFailed
@@ -10,6 +12,7 @@ from core.models import Event, MetricDelta
 from jobs.errors import QueueFull
 from jobs.models import Job, JobLane, JobState
 from jobs.registry import Dedupe
+from core.services import project_create
 from jobs.services import job_claim, job_enqueue, jobs_enqueue_many
 
 
@@ -142,3 +145,80 @@ def test_jobs_are_built_one_by_one_while_something_listens_to_their_building(pro
         post_init.disconnect(listener, sender=Job)
     assert [id(instance) for instance in built] == [id(result.job) for result in results]
     assert Job.objects.filter(state=JobState.QUEUED).count() == 3
+
+
+def test_each_cap_refuses_exactly_past_its_limit_with_its_scopes_own_count(org_factory, settings):
+    """The caps' counts read the total first and a scope's own count only when the total is past
+    what its cap lets through: at every size of enqueue around every cap, the answer (queued, or
+    refused by the first scope over its cap, with that scope's own count) is the one the counts of
+    each scope taken one by one give, whatever the other projects and organizations hold."""
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = 4
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_WAITING = 6
+    settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 9
+    organization, project, _ = org_factory()
+    sibling = project_create(organization=organization, name="sibling")
+    _, elsewhere, _ = org_factory()
+
+    def expected(target, asked):
+        waiting = Job.objects.filter(state=JobState.QUEUED)
+        for count, cap, scope in ((waiting.filter(project=target).count(), 4, "project"),
+                                  (waiting.filter(organization_id=target.organization_id).count(), 6, "organization"),
+                                  (waiting.count(), 9, "global")):
+            if count + asked > cap:
+                return scope, count
+        return None
+
+    outcomes = set()
+    for target, asked in [(elsewhere, 3), (project, 1), (sibling, 2), (project, 4), (project, 3), (sibling, 3),
+                          (project, 2), (elsewhere, 2), (elsewhere, 4), (sibling, 1), (project, 1), (elsewhere, 1)]:
+        want = expected(target, asked)
+        if want is None:
+            assert len(jobs_enqueue_many(job_type="noop", project=target, payloads=[{}] * asked)) == asked
+        else:
+            with pytest.raises(QueueFull) as refused:
+                jobs_enqueue_many(job_type="noop", project=target, payloads=[{}] * asked)
+            assert refused.value.extra["scope"] == want[0]
+            assert f" {want[1]} jobs waiting (cap " in str(refused.value.detail), (want, refused.value.detail)
+        outcomes.add(want and want[0])
+    assert outcomes == {None, "project", "organization", "global"}
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_caps_counts_read_the_jobs_not_started_only_however_many_jobs_finished(project, settings):
+    """A queue's table holds mostly finished jobs and a few waiting ones, the newest. The caps'
+    counts at each enqueue, on the plan the server keeps for them once its statistics say so (a
+    generic plan, taken again after the maintenance's ANALYZE), read the index of the jobs not
+    started for the project, the organization and the total alike: not the project's finished
+    jobs, not the whole table (a plan that expects to meet waiting jobs early in a table scan
+    meets them at its end)."""
+    from core.planner import statistics_refresh
+    from jobs.services.enqueue import _waiting_depths_sql
+    from core.sql import hot_cursor
+
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT = settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 100
+    Job.objects.bulk_create([Job(type="noop", organization_id=project.organization_id, project=project,
+                                 state=JobState.COMPLETED, payload={}) for _ in range(5000)])
+    assert "jobs_job" in statistics_refresh()  # what the workers' maintenance does as the table grows
+    for _ in range(12):  # prepared by the driver, then planned generically by the server
+        jobs_enqueue_many(job_type="noop", project=project, payloads=[{}])
+    Job.objects.filter(state=JobState.QUEUED).delete()
+    settings.ORCHESTRATOR_QUEUE_MAX_PER_PROJECT, settings.ORCHESTRATOR_QUEUE_MAX_GLOBAL = 10, 20
+    jobs_enqueue_many(job_type="noop", project=project, payloads=[{}] * 10)
+    with hot_cursor() as cursor:
+        cursor.execute("SELECT name, generic_plans FROM pg_prepared_statements WHERE statement LIKE %s",
+                       ["WITH t AS MATERIALIZED (SELECT (SELECT COUNT(*)%"])
+        name, generic = cursor.fetchone()
+    assert generic >= 1  # the server plans it generically
+    arguments = {"project": project.pk, "organization": project.organization_id, "project_limit": 11,
+                 "organization_limit": 11, "total_limit": 21, "project_passing": 0, "organization_passing": 0}
+    order = list(dict.fromkeys(re.findall(r"%\((\w+)\)s", _waiting_depths_sql())))
+    values = ", ".join(str(arguments[key]) for key in order)
+    with connection.cursor() as cursor:
+        cursor.execute(f'EXPLAIN (ANALYZE, COSTS OFF) EXECUTE "{name}"({values})')
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+    assert plan.count("using job_not_started_scope_idx on jobs_job") == 3, plan
+    assert "Seq Scan" not in plan and "job_project_id_idx" not in plan, plan
+    with pytest.raises(QueueFull) as refused:  # the total is past the project's cap: its own count read
+        jobs_enqueue_many(job_type="noop", project=project, payloads=[{}])
+    assert refused.value.extra["scope"] == "project" and " 10 jobs waiting (cap 10)" in str(refused.value.detail)
