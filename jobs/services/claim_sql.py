@@ -192,8 +192,15 @@ def _build(candidates: int, *, skip_locked: bool, alone: tuple[str, ...] = (), s
         names = ", ".join(_literal(name) for name in alone)
         head = (" AND (c.n = 1 OR c.n < (SELECT COALESCE(MIN(o.n), c.n + 1) FROM organization_ok o"
                 f" WHERE o.type IN ({names})))")
+    # The slot numbers looked at: the n-th free slot (global, or an organization's) is at most the
+    # number of executing jobs plus n - 1, so the series stops there, below the caps (``span``): a
+    # claim reads a few dozen numbers against the executing jobs' slots, not every number up to a cap.
+    least = "LEAST" if connection.vendor == "postgresql" else "MIN"
+    executing_count = (f"(SELECT COUNT(*) FROM {job} x{_indexed_by('job_one_executing_per_slot')}"
+                       f" WHERE x.state = {executing})")
     return (
-        "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series WHERE s + 1 < %(span)s),"
+        "WITH RECURSIVE series(s) AS (SELECT 0 UNION ALL SELECT s + 1 FROM series"
+        f" WHERE s + 1 < {least}(%(span)s, {executing_count} + %(batch)s)),"
         # from the saturated lanes (few; their index) to their waiting jobs (the lane index)
         f" saturated AS {materialized}(SELECT l.{qn('key')} AS lane FROM {lane} l"
         " WHERE l.interactive_streak >= %(burst)s),"

@@ -128,6 +128,32 @@ def test_a_batch_never_exceeds_the_global_or_the_organization_cap(org_factory, t
     assert quiet_jobs
 
 
+@pytest.mark.parametrize("executing", [0, 1, 3, 6])
+@pytest.mark.parametrize("batch", [1, 2, 4])
+def test_a_claim_fills_the_lowest_free_slots_holes_first_up_to_a_full_batch(org_factory, types, settings, executing,
+                                                                            batch):
+    """Whatever the executing jobs hold (every other slot, here, global and of their organization), a
+    claim of ``batch`` jobs takes that many while slots are free, each the lowest free slot in claim
+    order: the claim looks at no more slot numbers than the executing jobs and the batch can need,
+    and that is always enough."""
+    settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 2 * executing + batch
+    settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING = 2 * executing + batch - 1 or 1
+    _, project, _ = org_factory()
+    for n in range(2 * executing):
+        enqueue(project, n=n)
+    held = jobs_claim(worker="w0", limit=2 * executing) if executing else []
+    jobs_complete(results=[(job.pk, job.attempts, None) for job in held[1::2]])  # every other slot freed
+    waiting = [enqueue(project, n=100 + n) for n in range(batch + 1)]
+    claimed = jobs_claim(worker="w1", limit=batch)
+    organization_room = settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING - executing
+    assert [job.pk for job in claimed] == [job.pk for job in waiting[:min(batch, organization_room)]]
+    free = sorted(set(range(settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY)) - {job.slot for job in held[::2]})
+    free_in_organization = sorted(set(range(settings.ORCHESTRATOR_QUEUE_ORG_MAX_EXECUTING))
+                                  - {job.organization_slot for job in held[::2]})
+    assert [job.slot for job in claimed] == free[:len(claimed)]
+    assert [job.organization_slot for job in claimed] == free_in_organization[:len(claimed)]
+
+
 def test_aged_background_jobs_of_a_saturated_lane_lead_the_batch(project, types, settings):
     settings.ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY = 10
     settings.ORCHESTRATOR_QUEUE_BACKGROUND_AGING_MS = 0
