@@ -263,3 +263,67 @@ class Window:
                 result["statements"] = (delta["pgss_calls"] - self.polls) / units
                 result["statements_source"] = "pg_stat_statements"
         return result
+
+
+# --- CPU per kind of process ----------------------------------------------------------------------
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_cpu() -> dict[int, tuple[str, float]]:
+    """Every process's command line and CPU seconds so far (user + system), from ``/proc``."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                stat = handle.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                command = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
+        found[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+    return found
+
+
+class ProcessCpu:
+    """CPU seconds spent between ``start()`` and ``stop(kind)`` by the processes of each kind (Linux):
+    ``kind(pid, command)`` names a process's kind (None: not counted), asked at the stop, so a process
+    started meanwhile (a worker replaced) counts all its CPU; one that ended meanwhile counts none of
+    it (keep what is measured alive until the stop)."""
+
+    def start(self) -> None:
+        self.before, self.started = _process_cpu(), time.monotonic()
+
+    def stop(self, kind) -> dict[str, float]:
+        """The CPU seconds per kind, and ``wall``: the seconds since ``start()``."""
+        after, spent = _process_cpu(), {"wall": time.monotonic() - self.started}
+        for pid, (command, seconds) in after.items():
+            name = kind(pid, command)
+            if name is not None:
+                spent[name] = spent.get(name, 0.0) + seconds - self.before.get(pid, (command, 0.0))[1]
+        return spent
+
+
+def stream_kind(processes: list):
+    """A stream's processes by kind: this one (the producer), the clusters' (the workers), PostgreSQL's
+    (every backend, the bare commits' beside it included, and the server's own) and Redis's."""
+    from deploy.stack import descendants
+
+    clusters = {pid for process in processes for pid in (process.pid, *descendants(process.pid))}
+    me = os.getpid()
+
+    def kind(pid: int, command: str) -> str | None:
+        if pid == me:
+            return "producer"
+        if pid in clusters:
+            return "workers"
+        if command.startswith("postgres"):
+            return "database"
+        if "redis-server" in command:
+            return "Redis"
+        return None
+
+    return kind

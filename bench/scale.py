@@ -27,7 +27,10 @@ latency (p50/p99 of ``started_at - queued_at`` of the job rows) of our queue und
 stream at 60 % of its measured rate (the jobs due every 10 ms enqueued together), with 1 and 2 clusters
 started for it: the stream's first second apart (the new workers' first claims), the rest as the
 steady state; the rate the stream reached and the producer's slowest enqueue call are printed next
-to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.tsv``. Beside each
+to it, each job's wait (and worker) written to ``bench/out/latency-<clusters>.tsv``; under it, the
+CPU per job of each kind of process over the stream (``/proc``: this process, the producer; the
+clusters' processes; every PostgreSQL process; Redis) and the share of the machine's cores they
+took, what the stream's rate asks of the machine (a p99 in the tens of ms needs headroom). Beside each
 stream, on PostgreSQL, ``bench/commit_probe.py`` commits one row every 10 ms on a connection of its own
 and its latencies are printed under the stream's: the floor of a job that is committed queued, then
 claimed (a flush of the disk that stalls for 300 ms stalls every enqueue and claim of that moment).
@@ -71,8 +74,8 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HE
 sys.path.insert(0, str(BASE_DIR))
 from bench import counting  # noqa: E402
 from bench.commit_probe import PASS_PROBE_MS, beside, flushes_text  # noqa: E402
-from bench._common import (BARE_DJANGO_Q, Window, percentile, pg_stat_statements_note, start_process,  # noqa: E402
-                           start_profile, stop_process, stop_profile, wait_workers)
+from bench._common import (BARE_DJANGO_Q, ProcessCpu, Window, percentile, pg_stat_statements_note,  # noqa: E402
+                           start_process, start_profile, stop_process, stop_profile, stream_kind, wait_workers)
 
 REDIS_URL = os.environ.get("BENCH_REDIS_URL", "redis://127.0.0.1:6379/14")
 # Celery uses the next database number of the same server, so the two never share keys.
@@ -330,7 +333,7 @@ def measure_celery(workers: int, n: int, out: Path) -> Result:
 TICK_S = 0.01
 
 
-def _produce(rate: float, seconds: float, project, calls: list | None = None) -> list[int]:
+def _produce(rate: float, seconds: float, project, calls: list | None = None, close: bool = True) -> list[int]:
     """Enqueue ``rate`` jobs/s for ``seconds``, the jobs due every ``TICK_S`` together; the ids
     enqueued. ``calls`` receives each ``jobs_enqueue_many`` call's (start in s, duration in ms):
     a job's wait counts from its ``queued_at``, set before the call commits."""
@@ -356,7 +359,8 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None) ->
                 due -= len(payloads)
             next_at += TICK_S
     finally:
-        connection.close()
+        if close:
+            connection.close()
     return ids
 
 
@@ -374,11 +378,14 @@ class Latency:
     problems: list
     slowest_enqueue: float  # ms, the producer's slowest enqueue call
     commits: dict | None = None  # PostgreSQL: the bare commits beside the stream (``bench/commit_probe.py``)
+    cpu: dict | None = None  # CPU seconds per kind of process over the stream (``ProcessCpu``), and its wall time
 
 
 def measure_latency(clusters: int, rate: float, seconds: float, project, env: dict, out: Path) -> Latency:
     """p50/p99 of queued → executing (ms) under a steady stream of ``rate`` jobs/s (the first
-    ``FIRST_S`` apart); also the rate the producers reached."""
+    ``FIRST_S`` apart); also the rate the producers reached and the CPU per kind of process."""
+    from django.db import connection
+
     from jobs.models import Job
 
     _empty_jobs()
@@ -387,10 +394,14 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
     ids: list[int] = []
     calls: list[tuple[float, float]] = []
     _collector_quiet()
+    cpu = ProcessCpu()
     with _workers_running(processes, f"latency, {clusters} cluster(s)", REDIS_URL, ids):
         with beside(10, seconds, timeout=STALL_S) as commits:  # the floor: a bare commit on the same server, meanwhile
-            ids.extend(_produce(rate, seconds, project, calls))
+            cpu.start()
+            ids.extend(_produce(rate, seconds, project, calls, close=False))
         counting.wait_counted(REDIS_URL, len(ids), stall_s=STALL_S)
+        spent = cpu.stop(stream_kind(processes))  # the producer's connection still open: its backend counts
+        connection.close()
         deadline = time.monotonic() + STALL_S
         while Job.objects.filter(pk__in=ids).exclude(state="completed").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -406,7 +417,8 @@ def measure_latency(clusters: int, rate: float, seconds: float, project, env: di
         (early if (queued - first).total_seconds() < FIRST_S else steady).append(wait)
     steady = steady or early
     return Latency(percentile(steady, 50), percentile(steady, 99), percentile(early, 99) if early else 0.0,
-                   len(ids), problems, max([duration for _, duration in calls] or [0.0]), commits or None)
+                   len(ids), problems, max([duration for _, duration in calls] or [0.0]), commits or None, spent)
+
 
 
 def _waits_dump(path: Path, rows: list) -> None:
@@ -555,6 +567,13 @@ def main() -> None:
               f"reached): p50 {measured.p50:.1f} ms, p99 {measured.p99:.1f} ms after its first {FIRST_S:.0f} s; "
               f"p99 {measured.first_p99:.1f} ms in it (the new workers' first claims); the producer's slowest "
               f"enqueue call {measured.slowest_enqueue:.0f} ms; each job's wait in bench/out/latency-{processes}.tsv")
+        if measured.cpu and measured.count:
+            kinds = ("producer", "workers", "database", "Redis")
+            cpu, wall = {k: measured.cpu[k] for k in kinds if measured.cpu.get(k)}, measured.cpu["wall"]
+            print("    CPU per job over the stream and its backlog's end (/proc): " + ", ".join(
+                f"{kind} {seconds * 1000 / measured.count:.3f} ms" for kind, seconds in cpu.items())
+                + f"; {sum(cpu.values()) * 1000 / measured.count:.3f} ms in all, "
+                f"{100 * sum(cpu.values()) / wall / (os.cpu_count() or 1):.0f} % of the machine's cores")
         if measured.commits:
             c = measured.commits
             print(f"    beside it, a bare PostgreSQL commit of one row every 10 ms (the floor of any job that is "
