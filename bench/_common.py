@@ -309,7 +309,8 @@ class ProcessCpu:
 
 def stream_kind(processes: list):
     """A stream's processes by kind: this one (the producer), the clusters' (the workers), PostgreSQL's
-    (every backend, the bare commits' beside it included, and the server's own) and Redis's."""
+    (the backends still open at the stop, the workers' and the producer's, and the server's own
+    processes; the bare commits' backend beside the stream has ended by then) and Redis's."""
     from deploy.stack import descendants
 
     clusters = {pid for process in processes for pid in (process.pid, *descendants(process.pid))}
