@@ -272,19 +272,16 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 def _process_cpu() -> dict[int, tuple[str, float]]:
     """Every process's command line and CPU seconds so far (user + system), from ``/proc``."""
+    from deploy.stack import process_stats
+
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid, fields in process_stats().items():
         try:
-            with open(f"/proc/{entry}/stat") as handle:
-                stat = handle.read()
-            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
                 command = handle.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()  # the command name may hold spaces and ")"
-        found[int(entry)] = (command, (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
+        found[pid] = (command, (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS)
     return found
 
 
