@@ -440,6 +440,35 @@ def _fail(message: str) -> None:
     sys.exit(1)
 
 
+def prepare(*, sqlite: bool, concurrency: int) -> tuple[dict, dict, object]:
+    """The scratch database (migrated, with one organization's project), this process pointed at
+    it, and the environment of the clusters' processes: ``(env, child_env, project)``. Each cluster
+    runs 2 workers under a queue name of this run's own (a stray cluster left on the same broker
+    never takes its messages), the caps on waiting jobs out of the way, ``concurrency`` executing."""
+    from bench._common import broker_env, scratch_database
+
+    env = scratch_database("sqlite" if sqlite else "postgres", name="orchestrator_bench_scale")
+    env.update({"ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": f"bench-scale-{os.getpid()}",
+                "ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY": str(concurrency),
+                "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000",
+                "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500",
+                "DJANGO_SETTINGS_MODULE": "bench.settings"})
+    broker_env(env, sqlite=sqlite, redis_url=REDIS_URL)
+    child_env = {**env, "BENCH_COUNT_URL": REDIS_URL}
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+    import logging
+
+    logging.getLogger("orchestrator.transitions").setLevel(logging.WARNING)  # the workers log theirs to files
+    from billing.services import organization_create
+
+    _, project, _, _ = organization_create(name="bench", owner_username="bench")
+    return env, child_env, project
+
+
 def main() -> None:
     global STALL_S
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -466,29 +495,8 @@ def main() -> None:
         sys.exit("--jobs must be at least 2, --rounds and --concurrency at least 1, --stall-seconds positive")
     STALL_S = args.stall_seconds
 
-    from bench._common import broker_env, scratch_database
-
-    env = scratch_database("sqlite" if args.sqlite else "postgres", name="orchestrator_bench_scale")
-    # A queue name of this run's own: a stray cluster left on the same broker never takes its messages.
-    env.update({"ORCHESTRATOR_Q_WORKERS": "2", "ORCHESTRATOR_Q_NAME": f"bench-scale-{os.getpid()}",
-                "ORCHESTRATOR_QUEUE_GLOBAL_CONCURRENCY": str(args.concurrency),
-                "ORCHESTRATOR_QUEUE_MAX_PER_PROJECT": "10000000",
-                "ORCHESTRATOR_QUEUE_MAX_GLOBAL": "10000000", "ORCHESTRATOR_QUEUE_MAINTENANCE_INTERVAL_MS": "500",
-                "DJANGO_SETTINGS_MODULE": "bench.settings"})
-    broker_env(env, sqlite=args.sqlite, redis_url=REDIS_URL)
+    env, child_env, project = prepare(sqlite=args.sqlite, concurrency=args.concurrency)
     database_url = env.get("DATABASE_URL")
-    child_env = {**env, "BENCH_COUNT_URL": REDIS_URL}
-    import django
-    from django.core.management import call_command
-
-    django.setup()
-    call_command("migrate", verbosity=0)
-    import logging
-
-    logging.getLogger("orchestrator.transitions").setLevel(logging.WARNING)  # the workers log theirs to files
-    from billing.services import organization_create
-
-    _, project, _, _ = organization_create(name="bench", owner_username="bench")
     out = HERE / "out"
     out.mkdir(parents=True, exist_ok=True)
     db_label = "sqlite" if args.sqlite else "postgres"
