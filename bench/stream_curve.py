@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -38,13 +39,11 @@ P99_GOAL_MS = 20.0
 
 
 def line_fit(points: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares ``y = a + b x`` through ``points``; ``(a, b)``."""
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
-    return mean_y - slope * mean_x, slope
+    """Least squares ``y = a + b x`` through ``points``; ``(a, b)`` (``b`` 0 for a single ``x``)."""
+    if len({x for x, _ in points}) < 2:
+        return sum(y for _, y in points) / len(points), 0.0
+    slope, intercept = statistics.linear_regression([x for x, _ in points], [y for _, y in points])
+    return intercept, slope
 
 
 def main() -> None:
