@@ -364,6 +364,9 @@ def _produce(rate: float, seconds: float, project, calls: list | None = None, cl
     return ids
 
 
+# The kinds of process a stream's CPU is counted for (``stream_kind``), in the order they are printed.
+STREAM_KINDS = ("producer", "workers", "database", "Redis")
+
 # The stream's first second is reported apart: it holds the new workers' first claims (a new
 # process's first statements, its first job), which a long-running cluster pays once per process.
 FIRST_S = 1.0
@@ -576,8 +579,7 @@ def main() -> None:
               f"p99 {measured.first_p99:.1f} ms in it (the new workers' first claims); the producer's slowest "
               f"enqueue call {measured.slowest_enqueue:.0f} ms; each job's wait in bench/out/latency-{processes}.tsv")
         if measured.cpu and measured.count:
-            kinds = ("producer", "workers", "database", "Redis")
-            cpu, wall = {k: measured.cpu[k] for k in kinds if measured.cpu.get(k)}, measured.cpu["wall"]
+            cpu, wall = {k: measured.cpu[k] for k in STREAM_KINDS if measured.cpu.get(k)}, measured.cpu["wall"]
             print("    CPU per job over the stream and its backlog's end (/proc): " + ", ".join(
                 f"{kind} {seconds * 1000 / measured.count:.3f} ms" for kind, seconds in cpu.items())
                 + f"; {sum(cpu.values()) * 1000 / measured.count:.3f} ms in all, "

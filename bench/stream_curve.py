@@ -34,7 +34,6 @@ sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != HE
 sys.path.insert(0, str(HERE.parent))
 from bench import scale  # noqa: E402
 
-KINDS = ("producer", "workers", "database", "Redis")
 P99_GOAL_MS = 20.0
 
 
@@ -60,14 +59,15 @@ def main() -> None:
         sys.exit("--rates: numbers separated by commas")
     if not rates or min(rates) <= 0 or args.seconds <= scale.FIRST_S or args.runs < 1 or args.clusters < 1:
         sys.exit(f"--rates positive, --seconds over {scale.FIRST_S:g}, --runs and --clusters at least 1")
-    env, child_env, project = scale.prepare(sqlite=args.sqlite, concurrency=128)
+    _, child_env, project = scale.prepare(sqlite=args.sqlite, concurrency=128)
     out = HERE / "out"
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     print(f"queued -> executing under fixed streams of our queue: {args.clusters} cluster(s) of 2 workers, "
           f"{'SQLite + ORM broker' if args.sqlite else 'PostgreSQL + Redis broker'}, {cores} CPU cores, "
           f"{args.seconds:g} s a stream, the jobs due every {scale.TICK_S * 1000:g} ms enqueued in one call")
-    print(f"{'jobs/s':>8}{'p50 ms':>9}{'p99 ms':>9}   CPU ms per job: " + ", ".join(KINDS) + "; all; cores used")
+    print(f"{'jobs/s':>8}{'p50 ms':>9}{'p99 ms':>9}   CPU ms per job: " + ", ".join(scale.STREAM_KINDS)
+          + "; all; cores used")
     streams = []
     try:
         for _ in range(args.runs):
@@ -75,7 +75,7 @@ def main() -> None:
                 measured = scale.measure_latency(args.clusters, rate, args.seconds, project, child_env, out)
                 if measured.problems:
                     raise scale.BenchFailure(f"a stream of {rate:g} jobs/s: " + "; ".join(measured.problems))
-                spent = {kind: measured.cpu.get(kind, 0.0) for kind in KINDS}
+                spent = {kind: measured.cpu.get(kind, 0.0) for kind in scale.STREAM_KINDS}
                 used = sum(spent.values()) / measured.cpu["wall"]
                 streams.append((rate, measured.p99, used))
                 per_job = [seconds * 1000 / measured.count for seconds in spent.values()]
